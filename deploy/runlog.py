@@ -1,0 +1,137 @@
+"""The run folder: config, metrics (JSON lines + TensorBoard), reward curve, image grids, checkpoints.
+
+    runs/<name>/
+      config.yaml            the exact config used
+      metrics.jsonl          one JSON object per epoch
+      tb/                    TensorBoard scalars (same numbers)
+      reward_curve.png       mean reward (+/- s.e.) against reward queries
+      grids/epoch_XXXX.png   sample images of chosen epochs
+      lora/epoch_XXXX/       diffusers-format LoRA (pipe.load_lora_weights(folder))
+      checkpoint/            the resumable state (see actors/driver.py)
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+
+def make_run_dir(cfg) -> Path:
+    name = cfg.run.name or f"{cfg.preset or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path = Path(cfg.run.out_dir) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | Path, cfg=None, tensorboard: bool = True):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if cfg is not None:
+            (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self.records = self._read_existing()
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.dir / "tb"))
+            except Exception as e:  # tensorboard missing: keep going with JSON lines, but say so
+                print(f"[diffrlhf] TensorBoard logging off ({type(e).__name__}: {e})")
+        self.t0 = time.time()
+
+    def _read_existing(self) -> list[dict]:
+        p = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+    def truncate(self, epochs_done: int) -> None:
+        """On resume: forget records of epochs that the checkpoint does not hold."""
+        self.records = [r for r in self.records if r["epoch"] < epochs_done]
+        with open(self.dir / "metrics.jsonl", "w") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+
+    def log(self, record: dict) -> None:
+        record = {k: _plain(v) for k, v in record.items()}
+        self.records.append(record)
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = int(record.get("reward_queries", record.get("epoch", 0)))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def plot_reward_curve(self, title: str = "") -> Path | None:
+        if not self.records:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        q = np.array([r["reward_queries"] for r in self.records])
+        m = np.array([r["reward_mean"] for r in self.records])
+        se = np.array([r.get("reward_se", 0.0) for r in self.records])
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(q, m, marker="o", ms=3)
+        ax.fill_between(q, m - se, m + se, alpha=0.25, label="± s.e. of the epoch mean")
+        ax.set_xlabel("reward queries")
+        ax.set_ylabel("mean reward of the epoch's samples")
+        ax.set_title(title or self.dir.name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        out = self.dir / "reward_curve.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def save_grid(self, images, captions: list[str], name: str, cols: int = 8) -> Path:
+        out = self.dir / "grids" / f"{name}.png"
+        save_image_grid(images, captions, out, cols)
+        return out
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def save_image_grid(images, captions: list[str] | None, path: str | Path, cols: int = 8, scale: int = 0) -> Path:
+    """uint8 [N, H, W, 3] -> one PNG grid, with small captions when the images are large enough."""
+    from PIL import Image, ImageDraw
+
+    images = np.asarray(images)
+    n, h, w, _ = images.shape
+    if not scale:
+        scale = max(1, 128 // w)  # tiny 64 px images are upscaled to be visible
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    cap_h = 12 if captions else 0
+    hw, ww = h * scale, w * scale
+    grid = Image.new("RGB", (cols * ww, rows * (hw + cap_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        img = Image.fromarray(images[i]).resize((ww, hw), Image.NEAREST)
+        grid.paste(img, (c * ww, r * (hw + cap_h)))
+        if captions:
+            draw.text((c * ww + 2, r * (hw + cap_h) + hw), captions[i][: ww // 6], fill="black")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+def _plain(v):
+    if isinstance(v, (np.floating, np.integer)):
+        return v.item()
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return v.item()
+    return v

@@ -1,0 +1,68 @@
+"""Per-timestep weights w(t): the loss at DDIM step i uses w_i * A instead of A.
+
+Every scheme returns a [T] vector over the chain's steps (index 0 = the first, noisiest step),
+normalised to mean 1 over the T steps: sum_i w_i = T. With that normalisation `uniform` is
+w_i = 1 exactly, so the weighted loss *is* DDPO's loss, and every scheme keeps the total
+advantage mass per trajectory that DDPO uses (it only redistributes credit across steps).
+"""
+from __future__ import annotations
+
+import torch
+
+from diffrlhf.actors.ddim import ddim_std
+
+SCHEMES = ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late")
+_GAUSSIAN_CENTRES = {"gaussian_early": 0.0, "gaussian_mid": 0.5, "gaussian_late": 1.0}
+
+
+def normalise_mean_one(w: torch.Tensor) -> torch.Tensor:
+    w = w.double()
+    total = w.sum()
+    if not torch.isfinite(total) or total <= 0:
+        raise ValueError(f"timestep weights must be finite and not all zero, got {w.tolist()}")
+    return (w * (w.numel() / total)).float()
+
+
+def latent_change(latents: torch.Tensor, power: int) -> torch.Tensor:
+    """Mean over the batch and latent elements of |z_{i+1} - z_i|^power, per step: [T]."""
+    d = (latents[:, 1:] - latents[:, :-1]).abs().double() ** power
+    return d.mean(dim=tuple(i for i in range(d.ndim) if i != 1))
+
+
+def timestep_weights(
+    scheme: str,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    scheduler=None,
+    eta: float = 1.0,
+    gaussian_width: float = 0.2,
+) -> torch.Tensor:
+    """w [T] for `scheme` on a batch with latents [B, T+1, ...] and timesteps [B, T] (or [T]).
+
+    uniform        1 at every step (DDPO).
+    latent_sq      mean squared latent change |z_t - z_{t-1}|^2, measured on this batch (dynamic).
+    latent_abs     mean absolute latent change |z_t - z_{t-1}|, measured on this batch.
+    ddim_std       the sampler's std at t, eta * sqrt(beta_tilde_t) (static; needs the scheduler).
+    gaussian_*     exp(-(u - c)^2 / (2 width^2)) with u = i / (T-1) the position in the chain and
+                   c = 0 (early, noisy steps), 0.5 (mid) or 1 (late, nearly clean steps).
+    """
+    t = timesteps[0] if timesteps.ndim == 2 else timesteps
+    n = t.numel()
+    if scheme == "uniform":
+        w = torch.ones(n)
+    elif scheme == "latent_sq":
+        w = latent_change(latents, 2)
+    elif scheme == "latent_abs":
+        w = latent_change(latents, 1)
+    elif scheme == "ddim_std":
+        if scheduler is None:
+            raise ValueError("timestep weighting 'ddim_std' needs the DDIM scheduler")
+        w = ddim_std(scheduler, t.long(), eta)
+    elif scheme in _GAUSSIAN_CENTRES:
+        if gaussian_width <= 0:
+            raise ValueError(f"gaussian_width must be > 0, got {gaussian_width}")
+        u = torch.linspace(0, 1, n, dtype=torch.float64) if n > 1 else torch.zeros(1, dtype=torch.float64)
+        w = torch.exp(-((u - _GAUSSIAN_CENTRES[scheme]) ** 2) / (2 * gaussian_width**2))
+    else:
+        raise ValueError(f"unknown timestep weighting scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    return normalise_mean_one(w)
