@@ -112,6 +112,10 @@ class TrajectoryBatch:
             kw[name] = torch.from_numpy(np.array(arr, copy=True))  # own, writable memory
         return TrajectoryBatch(prompts=table.column("prompts").to_pylist(), meta=meta, **kw)
 
+    def __reduce__(self):
+        # Any pickling (Ray's object store, multiprocessing) ships the batch in its Arrow IPC form.
+        return (TrajectoryBatch.from_ipc_bytes, (self.to_ipc_bytes(),))
+
     def to_ipc_bytes(self) -> bytes:
         sink = pa.BufferOutputStream()
         table = self.to_arrow()

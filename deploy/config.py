@@ -54,6 +54,7 @@ class RewardConfig:
     spec: typing.Any = "jpeg_compressibility"  # name, or {name: ..., **kwargs}; see rewards/README.md
     nan_policy: str = "raise"  # raise | drop
     batch_size: int = 8
+    runtime_env: typing.Any = None  # Ray runtime_env for the reward actors (own venv/pip for image-reward, hpsv2)
 
 
 @dataclass
@@ -107,7 +108,10 @@ class SystemConfig:
     max_policy_lag: int = 1  # 0 = synchronous DDPO schedule
     max_inflight_per_sampler: int = 1
     idle_timeout_s: float = 600.0
-    max_actor_restarts: int = 3
+    max_actor_restarts: int = 3  # Ray restarts of a dead sampler or reward actor
+    max_batch_retries: int = 2  # re-runs of a batch whose sampler/reward actor died; then it is dropped (counted)
+    use_role_resources: bool = False  # ask custom resources "sampler"/"reward"/"learner" (cluster worker groups)
+    checkpoint_timeout_s: float = 600.0
     torch_threads: int = 1  # per actor, so actors on one node don't oversubscribe its cores
 
 
@@ -184,6 +188,7 @@ _RANGES = {
     "system.idle_timeout_s": (lambda v: v > 0, "> 0"),
     "system.torch_threads": (lambda v: v >= 1, ">= 1"),
     "system.max_actor_restarts": (lambda v: v >= 0, ">= 0"),
+    "system.max_batch_retries": (lambda v: v >= 0, ">= 0"),
     "system.sampler_gpus": (lambda v: v >= 0, ">= 0"),
     "system.reward_gpus": (lambda v: v >= 0, ">= 0"),
     "system.learner_gpus": (lambda v: v >= 0, ">= 0"),
@@ -249,7 +254,7 @@ def validate(cfg: Config) -> Config:
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k != "spec":
+        if isinstance(v, dict) and k not in ("spec", "runtime_env"):
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

@@ -1,0 +1,184 @@
+"""The four roles as plain classes; the driver turns each into a Ray actor with `ray.remote`.
+
+Each is a thin shell around the tested functions (sampling, rewards, advantages + replay,
+update), plus the bookkeeping the system needs: versions, busy time, state for checkpoints.
+They run unchanged in-process, which is how tests exercise them without Ray.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+
+from diffrlhf.buffer.trajectory import TrajectoryBatch
+
+
+def timed(method):
+    """Accumulate the time an actor spends inside its work methods (for idle fractions)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if self._first_call is None:
+            self._first_call = t0
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy_s += time.perf_counter() - t0
+            self._calls += 1
+
+    return wrapper
+
+
+class _Role:
+    def _init_role(self, cfg, name: str):
+        torch.set_num_threads(cfg.system.torch_threads)
+        self.cfg, self.name = cfg, name
+        self._busy_s, self._calls, self._first_call = 0.0, 0, None
+
+    def stats(self) -> dict:
+        """Busy time and idle fraction since the first work call (model loading is not idling)."""
+        span = time.perf_counter() - self._first_call if self._first_call else 0.0
+        return {"role": self.name, "pid": os.getpid(), "busy_s": self._busy_s, "active_span_s": span, "calls": self._calls,
+                "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0}
+
+    def ping(self) -> str:
+        return self.name
+
+
+class SamplerWorker(_Role):
+    """Holds the base pipeline plus the LoRA; samples planned batches with the version it is given."""
+
+    def __init__(self, cfg, rank: int = 0):
+        from diffrlhf.actors.models import load_components
+        from diffrlhf.learner.lora import add_lora
+        from diffrlhf.learner.reference_loop import resolve_device, sampling_settings
+
+        self._init_role(cfg, f"sampler-{rank}")
+        self.components = load_components(cfg.model.name, resolve_device(cfg.model.device), getattr(torch, cfg.model.dtype))
+        add_lora(self.components.unet, cfg.model.lora_rank, cfg.model.lora_alpha or None, tuple(cfg.model.lora_targets), seed=cfg.run.seed)
+        self.settings = sampling_settings(cfg)
+        self.negative_embeds = self.components.encode_prompts([cfg.sample.negative_prompt])
+        self.version = -1  # no weights yet: the first call always loads the ones it is given
+
+    def set_weights(self, version: int, lora_state: dict) -> None:
+        from diffrlhf.learner.lora import load_lora_state_dict
+
+        load_lora_state_dict(self.components.unet, lora_state)
+        self.version = version
+
+    @timed
+    def sample(self, plan, weights: tuple[int, dict]):
+        """Returns (info, reward input, full batch): the reward actors get only images, prompts and ids.
+
+        `weights` is (version, LoRA state), resolved by Ray from the learner's one broadcast object;
+        it is loaded only when the version changed.
+        """
+        from diffrlhf.actors.sampler import sample_trajectories
+
+        t0 = time.perf_counter()
+        version, lora_state = weights
+        if version != self.version:
+            self.set_weights(version, lora_state)
+        batch = sample_trajectories(self.components, plan.prompts, plan.seeds, self.settings, self.version,
+                                    plan.sample_ids, self.negative_embeds)
+        reward_input = {"ids": batch.sample_ids.tolist(), "images": batch.images.numpy(), "prompts": batch.prompts}
+        info = {"version": self.version, "rows": len(batch), "sample_s": time.perf_counter() - t0, "pid": os.getpid()}
+        return info, reward_input, batch
+
+
+class RewardWorker(_Role):
+    def __init__(self, cfg, rank: int = 0):
+        from diffrlhf.rewards.serving import RewardServer
+
+        self._init_role(cfg, f"reward-{rank}")
+        self.server = RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+
+    @timed
+    def score(self, reward_input: dict):
+        return self.server.score(reward_input["ids"], reward_input["images"], reward_input["prompts"])
+
+
+class BufferWorker(_Role):
+    """Collects scored batches per epoch; when an epoch is complete computes its advantages (the
+    tracker lives here, beside the |A|-prioritised replay that needs them), and serves the
+    learner's batches: the current epoch plus replay."""
+
+    def __init__(self, cfg):
+        from diffrlhf.buffer.advantages import AdvantageComputer
+        from diffrlhf.buffer.replay import ReplayBuffer
+
+        self._init_role(cfg, "buffer")
+        a, r = cfg.advantage, cfg.replay
+        self.advantages = AdvantageComputer(a.mode, a.clip_max, a.buffer_size, a.min_count)
+        self.replay = ReplayBuffer(r.max_epochs, r.mode, r.k, seed=cfg.run.seed)
+        self.pending: dict[int, dict[int, TrajectoryBatch]] = {}
+
+    @timed
+    def add_scored(self, epoch: int, batch_index: int, batch: TrajectoryBatch, score) -> int:
+        by_id = dict(zip(score.ids, score.rewards))
+        keep = [i for i, sid in enumerate(batch.sample_ids.tolist()) if sid in by_id]
+        batch = batch.select(keep)
+        batch.rewards = torch.tensor([by_id[s] for s in batch.sample_ids.tolist()], dtype=torch.float32)
+        self.pending.setdefault(epoch, {})[batch_index] = batch
+        return len(batch)
+
+    @timed
+    def finalize_epoch(self, epoch: int) -> dict:
+        """Advantages over the whole epoch, in batch-index order (as the reference loop), then store."""
+        parts = self.pending.pop(epoch, {})
+        if not parts:
+            raise RuntimeError(f"epoch {epoch} has no scored trajectories (every batch was dropped)")
+        batch = TrajectoryBatch.cat([parts[i] for i in sorted(parts)])
+        batch.advantages = torch.from_numpy(self.advantages(batch.prompts, batch.rewards.numpy()))
+        self.replay.add(epoch, batch)
+        r = batch.rewards.double()
+        return {"epoch": epoch, "samples": len(batch), "rewards": batch.rewards.tolist(),
+                "policy_versions": batch.policy_version.tolist(), "images": batch.images[:16].numpy(),
+                "prompts": batch.prompts[:16], "reward_mean": float(r.mean())}
+
+    @timed
+    def training_batch(self, epoch: int):
+        return self.replay.training_batch(epoch)
+
+    def state_dict(self) -> dict:
+        return {"advantages": self.advantages.state_dict(), "replay": self.replay.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.advantages.load_state_dict(state["advantages"])
+        self.replay.load_state_dict(state["replay"])
+        self.pending = {}
+
+
+class LearnerWorker(_Role):
+    def __init__(self, cfg):
+        from diffrlhf.learner.reference_loop import build_policy
+
+        self._init_role(cfg, "learner")
+        self.components, self.learner = build_policy(cfg)
+
+    @timed
+    def update(self, training_batch) -> tuple[dict, tuple[int, dict]]:
+        """One epoch's update; returns (metrics, (new version, LoRA state)). The second return is
+        the broadcast: one object in the store that every sampler reads."""
+        batch, n_replayed = training_batch
+        metrics = self.learner.update(batch, n_replayed)
+        metrics["policy_lag_max"] = int(self.learner.version - 1 - batch.policy_version[: len(batch) - n_replayed].min())
+        metrics["policy_lag_mean"] = float((self.learner.version - 1 - batch.policy_version[: len(batch) - n_replayed].double()).mean())
+        return metrics, (self.learner.version, self.learner.lora_state())
+
+    def weights(self) -> tuple[int, dict]:
+        return self.learner.version, self.learner.lora_state()
+
+    def state_dict(self) -> dict:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learner.load_state_dict(state)
+
+    def save_lora(self, folder: str) -> str:
+        from diffrlhf.learner.lora import save_lora
+
+        return str(save_lora(self.components.unet, folder))

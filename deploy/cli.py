@@ -1,0 +1,146 @@
+"""The `diffrlhf` command.
+
+    diffrlhf train [--preset tiny] [--config FILE] [--resume RUN_DIR] [key.sub=value ...]
+    diffrlhf reference [...]            the single-process reference loop (same options)
+    diffrlhf fetch-weights NAME         download a reward model's weights (needs internet)
+    diffrlhf presets                    list presets
+
+Under `ray job submit` (RAY_ADDRESS set) `train` joins the cluster; otherwise it starts a local Ray.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="preset name (deploy/presets/*.yaml); default: tiny, the embedded default")
+    p.add_argument("--config", help="a YAML file with config sections, applied over the preset")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.001 replay.mode=hardmine")
+
+
+def load_cfg(args):
+    from diffrlhf.deploy.config import config_from_dict, load_config, parse_override, _apply, validate
+
+    if getattr(args, "resume", None):
+        import yaml
+
+        path = Path(args.resume) / "config.yaml"
+        if not path.exists():
+            raise SystemExit(f"error: --resume {args.resume}: no config.yaml there; is it a run folder?")
+        cfg = config_from_dict(yaml.safe_load(path.read_text()))
+        for o in args.overrides:
+            _apply(cfg, parse_override(o))
+        cfg = validate(cfg)
+        cfg.run.out_dir, cfg.run.name = str(Path(args.resume).parent), Path(args.resume).name
+        return cfg
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def check_model(cfg) -> None:
+    """Resolve the model before any actor starts: a missing model is a clear error, not a dead actor."""
+    from diffrlhf.actors.models import resolve_model
+
+    resolve_model(cfg.model.name)
+
+
+def cmd_train(args) -> int:
+    from diffrlhf.actors.driver import Driver, init_ray
+    from diffrlhf.deploy.runlog import RunLogger, make_run_dir
+
+    cfg = load_cfg(args)
+    check_model(cfg)
+    run_dir = Path(args.resume) if args.resume else make_run_dir(cfg)
+    logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
+    print(f"[diffrlhf] run folder: {run_dir}")
+    init_ray(cfg)
+    driver = Driver(cfg, run_dir, logger=logger, progress=not args.no_progress, resume=bool(args.resume))
+    t0 = time.time()
+    try:
+        records = driver.run()
+    finally:
+        logger.close()
+    wall = time.time() - t0
+    (run_dir / "roles.json").write_text(json.dumps(driver.role_stats, indent=1))
+    logger.plot_reward_curve()
+    _summary(records, wall, run_dir, driver.role_stats)
+    return 0
+
+
+def cmd_reference(args) -> int:
+    from diffrlhf.deploy.runlog import RunLogger, make_run_dir
+    from diffrlhf.learner.reference_loop import run_reference
+
+    cfg = load_cfg(args)
+    check_model(cfg)
+    run_dir = make_run_dir(cfg)
+    logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
+    t0 = time.time()
+    records = run_reference(cfg, logger=logger, progress=not args.no_progress)
+    logger.plot_reward_curve()
+    logger.close()
+    _summary(records, time.time() - t0, run_dir, [])
+    return 0
+
+
+def _summary(records, wall, run_dir, roles) -> None:
+    if records:
+        a, b = records[0], records[-1]
+        print(f"[diffrlhf] {len(records)} epochs in {wall:.1f}s; reward {a['reward_mean']:.4f} -> {b['reward_mean']:.4f} "
+              f"over {b['reward_queries']} reward queries")
+    for r in roles:
+        if "idle_fraction" in r:
+            print(f"[diffrlhf]   {r['role']:<10} busy {r['busy_s']:7.1f}s  idle {100 * r['idle_fraction']:5.1f}%")
+    print(f"[diffrlhf] metrics: {run_dir / 'metrics.jsonl'}  curve: {run_dir / 'reward_curve.png'}  LoRA: {run_dir / 'lora'}")
+
+
+def cmd_fetch_weights(args) -> int:
+    from diffrlhf.rewards.fetch import fetch_weights
+
+    path = fetch_weights(args.name, args.dest)
+    print(f"[diffrlhf] {args.name} weights at {path}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from diffrlhf.deploy.config import presets
+
+    print("\n".join(presets()))
+    return 0
+
+
+def main(argv=None) -> int:
+    from diffrlhf.actors.models import ModelNotFoundError
+    from diffrlhf.deploy.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="diffrlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd")
+    p = sub.add_parser("train", help="the distributed run on Ray (local or RAY_ADDRESS)")
+    _config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("reference", help="the single-process reference loop")
+    _config_args(p)
+    p.set_defaults(fn=cmd_reference, resume=None)
+    p = sub.add_parser("fetch-weights", help="download a reward model's weights into the cache (needs internet)")
+    p.add_argument("name")
+    p.add_argument("--dest", default=None)
+    p.set_defaults(fn=cmd_fetch_weights)
+    p = sub.add_parser("presets", help="list config presets")
+    p.set_defaults(fn=cmd_presets)
+    args = parser.parse_args(argv)
+    if args.cmd is None:  # `diffrlhf` alone: the main job on the embedded default
+        args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
+    try:
+        return args.fn(args)
+    except (ConfigError, ModelNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

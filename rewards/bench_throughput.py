@@ -1,0 +1,132 @@
+"""Reward throughput, images/s at a fixed batch size, for every reward.
+
+    python -m diffrlhf.rewards.bench_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
+                                                       [--rewards jpeg_compressibility aesthetic ...]
+
+Learned models use random weights of the real sizes (no downloads): CLIP ViT-L/14 vision tower
+for aesthetic, BLIP ViT-L/16 + BERT-base for ImageReward, open_clip ViT-H-14 (as a transformers
+CLIPModel) for HPSv2. Speed does not depend on the weight values. The JSON records the machine
+(CPU count, torch threads, load average before and after) because shared machines skew numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ALL = ["jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "imagereward", "hpsv2"]
+
+
+def _bert_tokenizer():
+    """bert-base-uncased from the HF cache if present; otherwise a stand-in vocabulary (token ids
+    differ, the text length - padded to 35 - and so the compute are the same)."""
+    from .imagereward import load_tokenizer
+
+    try:
+        return load_tokenizer(None), "bert-base-uncased (HF cache)"
+    except Exception:
+        d = tempfile.mkdtemp()
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)]
+        with open(os.path.join(d, "vocab.txt"), "w") as f:
+            f.write("\n".join(words) + "\n")
+        return load_tokenizer(d), "stand-in vocabulary"
+
+
+def build(name: str):
+    """Return (reward_fn, params, note)."""
+    from . import build_reward
+
+    if name.startswith("jpeg"):
+        return build_reward(name), 0, ""
+    if name == "aesthetic":
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        from .aesthetic import AestheticMLP, AestheticScorer
+
+        cfg = CLIPVisionConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                               patch_size=14, image_size=224, projection_dim=768, hidden_act="quick_gelu")
+        clip = CLIPVisionModelWithProjection(cfg)
+        fn = AestheticScorer(clip, AestheticMLP())
+        return build_reward(fn), sum(p.numel() for p in clip.parameters()), "CLIP ViT-L/14 vision tower + MLP"
+    if name == "imagereward":
+        from .aesthetic import AestheticMLP
+        from .imagereward import ImageRewardScorer, build_blip
+
+        vis, txt = build_blip()
+        tok, note = _bert_tokenizer()
+        fn = ImageRewardScorer(vis, txt, AestheticMLP(768), tok)
+        n = sum(p.numel() for m in (vis, txt) for p in m.parameters())
+        return build_reward(fn), n, f"BLIP ViT-L/16 + BERT-base cross-attn, {note}"
+    if name == "hpsv2":
+        from .hpsv2 import HPSv2Scorer, build_clip
+
+        model = build_clip()
+        return build_reward(HPSv2Scorer(model)), sum(p.numel() for p in model.parameters()), "ViT-H-14 CLIPModel"
+    raise ValueError(name)
+
+
+def bench_one(fn, batch: int, size: int, repeats: int, warmup: int = 1) -> dict:
+    """Wall time per batch, and CPU time of this process per batch: on a shared machine the wall
+    figure measures the neighbours too, while images per CPU-second x cores is what an otherwise
+    idle machine of this kind would give (an upper bound: it assumes perfect thread scaling)."""
+    rs = np.random.RandomState(0)
+    ims = rs.randint(0, 256, size=(batch, size, size, 3), dtype=np.uint8)
+    prompts = ["a photo of an astronaut riding a horse on mars, highly detailed"] * batch
+    for _ in range(warmup):  # allocations, lazy init
+        fn(ims, prompts)
+    times, cpu = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn(ims, prompts)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    assert out.shape == (batch,) and np.isfinite(out).all()
+    med, cmed = float(np.median(times)), float(np.median(cpu))
+    return {"batch": batch, "size": size, "repeats": repeats, "warmup": warmup, "seconds_per_batch": times,
+            "cpu_seconds_per_batch": cpu, "median_s": med, "images_per_s": batch / med,
+            "images_per_cpu_s": batch / cmed if cmed else None,
+            "images_per_s_if_idle": batch / cmed * min(torch.get_num_threads(), os.cpu_count() or 1) if cmed else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rewards", nargs="+", default=ALL)
+    p.add_argument("--warmup", type=int, default=1, help="untimed batches before timing (learned models)")
+    a = p.parse_args(argv)
+    res = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "platform": platform.platform(), "loadavg_start": os.getloadavg()},
+           "results": []}
+    for name in a.rewards:
+        t0 = time.perf_counter()
+        fn, nparams, note = build(name)
+        build_s = time.perf_counter() - t0
+        for size in a.sizes:
+            reps = a.repeats if name.startswith("jpeg") else max(1, a.repeats - 1 if size > 256 else a.repeats)
+            warm = 1 if name.startswith("jpeg") else a.warmup
+            r = {"reward": name, "params": nparams, "note": note, "build_s": build_s,
+                 **bench_one(fn, a.batch, size, reps, warm), "loadavg": os.getloadavg()}
+            res["results"].append(r)
+            print(f"{name:24s} {size:4d}px batch {a.batch}: {r['images_per_s']:8.2f} img/s wall "
+                  f"({r['median_s']:.3f} s/batch), {r['images_per_s_if_idle']:8.2f} img/s from CPU time, "
+                  f"{nparams / 1e6:.0f} M params, load {r['loadavg'][0]:.1f}", flush=True)
+        del fn
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
