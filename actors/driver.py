@@ -74,6 +74,10 @@ class Driver:
                              sample_retries=0, score_retries=0, actor_deaths=0)
         self.records: list[dict] = []
         self.role_stats: list[dict] = []
+        from diffrlhf.deploy.observe import RunMetrics, Watchdog
+
+        self.metrics = RunMetrics()
+        self.watchdog = Watchdog(role_timeout_s=cfg.system.idle_timeout_s / 2, queue_timeout_s=cfg.system.idle_timeout_s / 2)
 
     # ------------------------------------------------------------------ actors
 
@@ -191,12 +195,12 @@ class Driver:
                     metrics, weights = self.learner.update.options(num_returns=2).remote(tb)
                     pending[metrics] = _Pending("update", next_train, refs=(weights, summary))
                     updating = True
-                # 3. wait for anything
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=s.idle_timeout_s)
-                if not ready:
-                    raise RunFailed(self._describe_stall(pending))
+                # 3. report, then wait for anything (in slices, so the watchdog speaks while we wait)
+                self._observe(todo, pending, batches_in, next_train, updating)
+                ready = self._wait(pending)
                 ref = ready[0]
                 p = pending.pop(ref)
+                self.watchdog.work_done({"sample": "samplers", "score": "rewards", "add": "buffer", "update": "learner"}.get(p.kind, "driver"))
                 if p.kind == "sample":
                     inflight[p.actor] -= 1
                     try:
@@ -253,6 +257,35 @@ class Driver:
         return self.records
 
     # ------------------------------------------------------------------ helpers
+
+    def _wait(self, pending) -> list:
+        import ray
+
+        waited = 0.0
+        while True:
+            step = min(10.0, self.cfg.system.idle_timeout_s - waited)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(step, 0.01))
+            if ready:
+                return ready
+            waited += step
+            for warning in self.watchdog.check():
+                print(f"[diffrlhf] watchdog: {warning}")
+            if waited >= self.cfg.system.idle_timeout_s:
+                raise RunFailed(self._describe_stall(pending))
+
+    def _observe(self, todo, pending, batches_in, next_train, updating) -> None:
+        kinds = collections.Counter(p.kind for p in pending.values())
+        depths = {"to_sample": len(todo), "sampling": kinds["sample"], "scoring": kinds["score"],
+                  "buffering": kinds["add"], "epochs_ready": int(not updating and batches_in[next_train] >= self.cfg.sample.batches_per_epoch)}
+        self.metrics.queues(depths)
+        cap = len(self.samplers) * self.cfg.system.max_inflight_per_sampler
+        self.watchdog.queue("sampling", kinds["sample"], cap)
+        self.watchdog.queue("scoring", kinds["score"], cap)
+        if todo and todo[0][0] > self.version + self.cfg.system.max_policy_lag:
+            self.watchdog.waiting("samplers", f"the learner: epoch {todo[0][0]} needs policy version >= {todo[0][0] - self.cfg.system.max_policy_lag}, have {self.version}")
+        else:
+            self.watchdog.waiting("samplers", "free sampler slots" if todo else "nothing (all epochs planned)")
+        self.watchdog.waiting("learner", f"epoch {next_train}: {batches_in[next_train]}/{self.cfg.sample.batches_per_epoch} batches scored and buffered")
 
     def _actors(self, role):
         return self.samplers if role == "sampler" else self.rewards
@@ -336,6 +369,8 @@ class Driver:
         rec.update({k: v for k, v in metrics.items() if k != "timestep_weights"})
         rec.update({k: v for k, v in self.counters.items() if k not in ("epochs_done", "reward_queries")})
         self.records.append(rec)
+        self.metrics.epoch(rec, rec["reward_queries"] - (self.records[-2]["reward_queries"] if len(self.records) > 1 else 0))
+        self.watchdog.reward(rec["reward_mean"])
         if self.logger is not None:
             self.logger.log(rec)
             g = self.cfg.run.image_grid_every

@@ -2,6 +2,8 @@
 
     diffrlhf train [--preset tiny] [--config FILE] [--resume RUN_DIR] [key.sub=value ...]
     diffrlhf reference [...]            the single-process reference loop (same options)
+    diffrlhf sample --run RUN_DIR --prompts FILE   images of the trained LoRA beside the base model's (a grid)
+    diffrlhf eval --run RUN_DIR         reward on train and held-out prompts (+ CLIP score if CLIP weights exist)
     diffrlhf fetch-weights NAME         download a reward model's weights (needs internet)
     diffrlhf presets                    list presets
 
@@ -66,6 +68,7 @@ def cmd_train(args) -> int:
         logger.close()
     wall = time.time() - t0
     (run_dir / "roles.json").write_text(json.dumps(driver.role_stats, indent=1))
+    driver.metrics.roles(driver.role_stats)
     logger.plot_reward_curve()
     _summary(records, wall, run_dir, driver.role_stats)
     return 0
@@ -98,6 +101,23 @@ def _summary(records, wall, run_dir, roles) -> None:
     print(f"[diffrlhf] metrics: {run_dir / 'metrics.jsonl'}  curve: {run_dir / 'reward_curve.png'}  LoRA: {run_dir / 'lora'}")
 
 
+def cmd_sample(args) -> int:
+    from diffrlhf.deploy.evaluate import cmd_sample as sample
+
+    path = sample(args.run, args.prompts, args.out, args.n, args.lora)
+    print(f"[diffrlhf] grid (rows: base, then LoRA on the same noise): {path}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from diffrlhf.deploy.evaluate import cmd_eval as evaluate, format_table
+
+    result = evaluate(args.run, args.lora, args.n, args.clip, args.out)
+    print(format_table(result))
+    print(f"[diffrlhf] results: {result['path']}")
+    return 0
+
+
 def cmd_fetch_weights(args) -> int:
     from diffrlhf.rewards.fetch import fetch_weights
 
@@ -126,6 +146,20 @@ def main(argv=None) -> int:
     p = sub.add_parser("reference", help="the single-process reference loop")
     _config_args(p)
     p.set_defaults(fn=cmd_reference, resume=None)
+    p = sub.add_parser("sample", help="images from a run's LoRA beside the base model's")
+    p.add_argument("--run", required=True, help="run folder")
+    p.add_argument("--prompts", default="tiny-world-eval", help="prompt list name or file (first 16 used)")
+    p.add_argument("--lora", default="latest", help="epoch_XXXX folder name or latest")
+    p.add_argument("--n", type=int, default=2, help="images per prompt")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/samples.png)")
+    p.set_defaults(fn=cmd_sample)
+    p = sub.add_parser("eval", help="rewards (and CLIP score) of a run's LoRA on train and held-out prompts")
+    p.add_argument("--run", required=True)
+    p.add_argument("--lora", default="latest")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--clip", help="local CLIP model folder for the CLIP score (default: openai/clip-vit-large-patch14 from the HF cache)")
+    p.add_argument("--out", help="JSON path (default RUN_DIR/eval.json)")
+    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("fetch-weights", help="download a reward model's weights into the cache (needs internet)")
     p.add_argument("name")
     p.add_argument("--dest", default=None)

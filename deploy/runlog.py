@@ -43,6 +43,9 @@ class RunLogger:
                 self.tb = SummaryWriter(str(self.dir / "tb"))
             except Exception as e:  # tensorboard missing: keep going with JSON lines, but say so
                 print(f"[diffrlhf] TensorBoard logging off ({type(e).__name__}: {e})")
+        from diffrlhf.deploy.observe import maybe_wandb
+
+        self.wandb = maybe_wandb(cfg, self.dir) if cfg is not None else None
         self.t0 = time.time()
 
     def _read_existing(self) -> list[dict]:
@@ -67,6 +70,8 @@ class RunLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
 
     def plot_reward_curve(self, title: str = "") -> Path | None:
         if not self.records:
@@ -101,6 +106,8 @@ class RunLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def save_image_grid(images, captions: list[str] | None, path: str | Path, cols: int = 8, scale: int = 0) -> Path:

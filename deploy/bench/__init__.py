@@ -1,0 +1,10 @@
+"""Benchmarks (issue 6, "Measure it"). Each is a command that writes JSON (+ PNG for curves) into
+deploy/results/<name>/ or --out:
+
+    python -m diffrlhf.deploy.bench.study    sample efficiency: DDPO vs timestep weighting vs hard-mining
+    python -m diffrlhf.deploy.bench.systems  Ray overhead, stage overlap, simulated scaling, weight broadcast
+    python -m diffrlhf.deploy.bench.gpu      SD1.5-size images/s and fraction of GPU peak (random weights)
+
+Every command takes --size tiny (tiny-random model, a few DDIM steps, 32 px: seconds, for tests)
+or --size full (the real measurement; see RESULTS-bench.md for the commands and what they show).
+"""

@@ -1,0 +1,351 @@
+"""Sample-efficiency study: reward vs reward queries for DDPO and its two additions.
+
+    python -m diffrlhf.deploy.bench.study [--suite ablation weighting replay] [--seeds 3] [--epochs 20]
+        [--reward jpeg_compressibility jpeg_incompressibility] [--size tiny|full] [--out DIR] [key.sub=value ...]
+
+Suites (every variant has the same hyperparameters except the named axis):
+  ablation   baseline (DDPO: uniform weights, no replay) / +weighting (latent_sq) / +hardmine / +both
+  weighting  uniform, latent_sq, latent_abs, ddim_std, gaussian_early, gaussian_mid, gaussian_late (no replay)
+  replay     none, hardmine, random (uniform weights)
+
+Each (reward, variant, seed) runs the single-process reference loop (fastest on a few cores) and
+is saved to <out>/runs/<reward>/<scheme>__<replay>/seed<k>.json the moment it finishes; a file
+that exists is reused, so an interrupted study continues where it stopped, and the DDPO baseline
+(uniform + none) is run once and shared by all suites. Runs go seed by seed (all variants of seed
+0, then of seed 1, ...) so that a partial study is still a fair comparison.
+
+Outputs per suite and reward: <suite>_<reward>.png (seed-mean reward vs reward queries, band =
++-1 standard error over seeds), <suite>_<reward>.json and .md (the table below).
+
+"Queries to reach the baseline": smooth each variant's seed-mean reward curve with a trailing
+3-epoch moving average (epoch i averages epochs max(0, i-2)..i, so reaching it at epoch i uses
+no later data); the target is the baseline's smoothed value at its last epoch; a variant's
+number is the reward queries used up to the first epoch whose smoothed mean is >= the target.
+The ratio is baseline / variant (> 1: the variant needs fewer queries). A variant that never gets
+there is reported as not reached, with the bound ratio < baseline / (its total queries).
+After the last epoch the trained policy samples the held-out prompts (prompts.eval) with fixed
+noise seeds (the same for every variant and seed: a paired comparison) and a separate reward
+server scores them, so these queries are not counted as training queries.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+
+SCHEMES = ["uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late"]
+# suite -> {variant label: (weighting.scheme, replay.mode)}; the first variant is the suite's baseline.
+SUITES = {
+    "ablation": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none"),
+                 "+hardmine": ("uniform", "hardmine"), "+both": ("latent_sq", "hardmine")},
+    "weighting": {s: (s, "none") for s in SCHEMES},
+    "replay": {m: ("uniform", m) for m in ("none", "hardmine", "random")},
+}
+SMOOTH_WINDOW = 3
+EVAL_SEED_BASE = 987_654_321  # held-out noise seeds: fixed, disjoint from training seeds of small run seeds
+SIZES = {  # defaults per --size; the command line wins
+    "tiny": dict(epochs=2, seeds=1, eval_samples=4, overrides=TINY_OVERRIDES),
+    "full": dict(epochs=20, seeds=3, eval_samples=32, overrides=["model.device=cpu", "run.image_grid_every=0", "run.tensorboard=false"]),
+}
+
+
+# ----------------------------------------------------------------------------- the analysis (pure; tested)
+
+
+def smooth(y, window: int = SMOOTH_WINDOW) -> np.ndarray:
+    """Trailing moving average: out[i] = mean(y[max(0, i-window+1) .. i])."""
+    y = np.asarray(y, dtype=np.float64)
+    c = np.concatenate([[0.0], np.cumsum(y)])
+    i = np.arange(len(y))
+    lo = np.maximum(0, i - window + 1)
+    return (c[i + 1] - c[lo]) / (i + 1 - lo)
+
+
+def first_reach(queries, y, target: float, window: int = SMOOTH_WINDOW):
+    """Queries at the first epoch whose smoothed y is >= target, or None."""
+    hit = np.nonzero(smooth(y, window) >= target)[0]
+    return int(queries[hit[0]]) if len(hit) else None
+
+
+def queries_to_reach(base_q, base_y, var_q, var_y, window: int = SMOOTH_WINDOW) -> dict:
+    """Reward queries a variant needs to reach the baseline's final smoothed reward (see module doc).
+
+    base_y / var_y are seed-mean reward per epoch, base_q / var_q the cumulative queries at each.
+    """
+    target = float(smooth(base_y, window)[-1])
+    qb = first_reach(base_q, base_y, target, window)  # always found: the last epoch equals the target
+    qv = first_reach(var_q, var_y, target, window)
+    out = {"target": target, "window": window, "baseline_queries": qb, "queries": qv, "reached": qv is not None,
+           "total_queries": int(var_q[-1])}
+    out["ratio"] = qb / qv if qv else None
+    out["ratio_upper_bound"] = None if qv else qb / int(var_q[-1])  # not reached: ratio < this
+    return out
+
+
+def seed_matrix(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(queries per epoch, rewards [seed, epoch]) over the runs of one variant, cut to the shortest."""
+    n = min(len(r["records"]) for r in runs)
+    q = np.array([rec["reward_queries"] for rec in runs[0]["records"][:n]])
+    y = np.array([[rec["reward_mean"] for rec in r["records"][:n]] for r in runs])
+    return q, y
+
+
+def mean_se(values) -> tuple[float, float]:
+    v = np.asarray(values, dtype=np.float64)
+    se = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0
+    return float(v.mean()), se
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_path(out: Path, reward: str, axes: tuple[str, str], seed: int) -> Path:
+    return out / "runs" / reward / f"{axes[0]}__{axes[1]}" / f"seed{seed}.json"
+
+
+def make_config(size: str, reward: str, epochs: int, overrides: list[str], axes=("uniform", "none"), seed: int = 0):
+    from diffrlhf.deploy.config import load_config
+
+    # The variant's axes and the seed come last: a stray override cannot blur the comparison.
+    return load_config("tiny", overrides=[*SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
+                                          *overrides, f"weighting.scheme={axes[0]}", f"replay.mode={axes[1]}", f"run.seed={seed}"])
+
+
+def identity(cfg) -> dict:
+    """What must match for a saved run to be reused (everything but the seed and output names)."""
+    d = cfg.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("seed", "out_dir", "name")}
+    return d
+
+
+def check_reusable(path: Path, saved: dict, cfg) -> None:
+    from diffrlhf.deploy.config import _flatten
+
+    a, b = _flatten(saved["config"]), _flatten(identity(cfg))
+    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if diff:
+        raise SystemExit(f"{path} was made with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:5])}); "
+                         "use another --out, or delete the file to re-run it")
+
+
+def evaluate(components, negative_embeds, cfg, n: int, version: int = -1) -> dict:
+    """Sample n held-out images (prompts.eval, cycled; fixed noise seeds) and score them."""
+    from diffrlhf.actors.prompts import load_prompts
+    from diffrlhf.actors.sampler import sample_trajectories
+    from diffrlhf.learner.reference_loop import sampling_settings
+    from diffrlhf.rewards.serving import RewardServer
+
+    prompts = load_prompts(cfg.prompts.eval)
+    all_prompts = [prompts[i % len(prompts)] for i in range(n)]
+    server = RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+    rewards = []
+    bs = cfg.sample.batch_size
+    for s in range(0, n, bs):
+        ids = list(range(s, min(n, s + bs)))
+        batch = sample_trajectories(components, [all_prompts[i] for i in ids], [EVAL_SEED_BASE + i for i in ids],
+                                    sampling_settings(cfg), version, ids, negative_embeds)
+        rewards += server.score(ids, batch.images.numpy(), batch.prompts).rewards.tolist()
+    m, se = mean_se(rewards)
+    return {"prompts": cfg.prompts.eval, "samples": n, "reward_mean": m, "reward_se": se}
+
+
+def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
+    from diffrlhf.learner.reference_loop import run_reference
+
+    evals, seen = {}, [0]
+    t0 = time.time()
+
+    def on_epoch(epoch, batch, learner):
+        seen[0] += len(batch)
+        log("study", f"{tag} epoch {epoch + 1}/{cfg.train.epochs} queries {seen[0]} reward {batch.rewards.double().mean():.4f} "
+                     f"({time.time() - t0:.0f}s)")
+        if epoch == cfg.train.epochs - 1 and eval_samples:
+            evals.update(evaluate(learner.c, learner.negative_embeds, cfg, eval_samples, learner.version))
+            log("study", f"{tag} held-out reward {evals['reward_mean']:.4f} +- {evals['reward_se']:.4f}")
+
+    records = run_reference(cfg, progress=False, on_epoch=on_epoch)
+    result = {"seed": cfg.run.seed, "axes": [cfg.weighting.scheme, cfg.replay.mode], "reward": cfg.reward.spec,
+              "config": identity(cfg), "records": records, "eval": evals or None, "wall_s": time.time() - t0, "machine": machine()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, result)
+    return result
+
+
+def get_run(out: Path, size: str, reward: str, epochs: int, overrides, axes, seed: int, eval_samples: int, run: bool = True):
+    import json
+
+    cfg = make_config(size, reward, epochs, overrides, axes, seed)
+    path = run_path(out, reward, axes, seed)
+    tag = f"{reward} {axes[0]}+{axes[1]} seed {seed}"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        check_reusable(path, saved, cfg)
+        log("study", f"{tag}: done before, reusing {path}")
+        return saved
+    if not run:
+        return None
+    log("study", f"{tag}: running {epochs} epochs")
+    return run_one(cfg, path, eval_samples, tag)
+
+
+def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int) -> dict | None:
+    """The held-out reward of the untrained policy (LoRA B = 0): the reference point for the evals."""
+    import json
+
+    from diffrlhf.learner.reference_loop import build_policy
+
+    if not eval_samples:
+        return None
+    cfg = make_config(size, reward, 1, overrides)
+    path = out / "runs" / reward / "base_policy_eval.json"
+    key = {k: identity(cfg)[k] for k in ("model", "sample", "prompts", "reward")}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key and saved.get("samples") == eval_samples:
+            return saved
+    comps, learner = build_policy(cfg)
+    res = evaluate(comps, learner.negative_embeds, cfg, eval_samples, 0)
+    res["key"] = key
+    write_json(path, res)
+    log("study", f"{reward} base policy held-out reward {res['reward_mean']:.4f} +- {res['reward_se']:.4f}")
+    return res
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def summarise_suite(suite: str, reward: str, runs: dict[str, list[dict]], base: dict | None) -> dict:
+    """Table rows for one suite: final reward, held-out reward, queries to reach the baseline."""
+    baseline = next(iter(SUITES[suite]))
+    if not runs.get(baseline):
+        return {"suite": suite, "reward": reward, "rows": [], "note": "baseline has no finished runs yet"}
+    bq, by = seed_matrix(runs[baseline])
+    rows = []
+    for label, rs in runs.items():
+        if not rs:
+            rows.append({"variant": label, "seeds": 0})
+            continue
+        q, y = seed_matrix(rs)
+        finals = [smooth(r)[-1] for r in y]
+        evals = [r["eval"]["reward_mean"] for r in rs if r.get("eval")]
+        row = {"variant": label, "axes": rs[0]["axes"], "seeds": len(rs), "seed_ids": [r["seed"] for r in rs],
+               "epochs": len(q), "final_smoothed": mean_se(finals), "heldout": mean_se(evals) if evals else None,
+               **queries_to_reach(bq, by.mean(0), q, y.mean(0)),
+               "wall_s_per_run": float(np.mean([r["wall_s"] for r in rs]))}
+        rows.append(row)
+    return {"suite": suite, "reward": reward, "baseline": baseline, "smoothing": f"trailing {SMOOTH_WINDOW}-epoch moving average",
+            "base_policy_heldout": base and [base["reward_mean"], base["reward_se"]], "rows": rows}
+
+
+def _pm(v) -> str:
+    return "-" if not v else f"{v[0]:.4f} +- {v[1]:.4f}"
+
+
+def table_markdown(summary: dict) -> str:
+    lines = [f"### {summary['suite']} / {summary['reward']}", ""]
+    if not summary["rows"]:
+        return "\n".join(lines + [summary.get("note", ""), ""])
+    target = summary["rows"][0].get("target")
+    lines += [f"Target: the baseline's ({summary['baseline']}) final smoothed seed-mean reward, {target:.4f} "
+              f"({summary['smoothing']}). Held-out: mean +- s.e. over seeds"
+              + (f"; untrained policy {_pm(summary['base_policy_heldout'])}." if summary.get("base_policy_heldout") else "."), "",
+              "| variant | seeds | epochs | final reward (smoothed) | held-out reward | queries to reach target | ratio baseline/variant |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in summary["rows"]:
+        if not r.get("seeds"):
+            lines.append(f"| {r['variant']} | 0 | - | - | - | - | - |")
+            continue
+        if r["reached"]:
+            reach, ratio = str(r["queries"]), f"{r['ratio']:.2f}"
+        else:
+            reach, ratio = f"not reached in {r['total_queries']}", f"< {r['ratio_upper_bound']:.2f}"
+        lines.append(f"| {r['variant']} | {r['seeds']} | {r['epochs']} | {_pm(r['final_smoothed'])} | {_pm(r['heldout'])} | {reach} | {ratio} |")
+    return "\n".join(lines + [""])
+
+
+def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, rs in runs.items():
+        if not rs:
+            continue
+        q, y = seed_matrix(rs)
+        m = y.mean(0)
+        line, = ax.plot(q, m, "o-", ms=3, label=f"{label} ({len(rs)} seeds)")
+        if len(rs) > 1:
+            se = y.std(0, ddof=1) / np.sqrt(len(rs))
+            ax.fill_between(q, m - se, m + se, color=line.get_color(), alpha=0.2)
+    rows = [r for r in summary["rows"] if r.get("seeds")]
+    if rows:
+        ax.axhline(rows[0]["target"], color="k", ls=":", lw=1, label="baseline final (smoothed)")
+    ax.set_xlabel("reward queries")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{summary['suite']}: seed-mean reward per epoch, band = +-1 s.e. over seeds", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+YLABEL = {"jpeg_compressibility": "JPEG compressibility (-kB)", "jpeg_incompressibility": "JPEG size (kB)"}
+
+
+def report(out: Path, suite: str, reward: str, runs: dict, base) -> dict:
+    summary = summarise_suite(suite, reward, runs, base)
+    stem = f"{suite}_{reward}"
+    write_json(out / f"{stem}.json", summary)
+    (out / f"{stem}.md").write_text(table_markdown(summary))
+    if summary["rows"]:
+        plot_suite(summary, runs, out / f"{stem}.png", YLABEL.get(reward, "reward"))
+    print(table_markdown(summary), flush=True)
+    return summary
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", nargs="+", default=["ablation"], choices=sorted(SUITES))
+    ap.add_argument("--reward", nargs="+", default=["jpeg_compressibility"])
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--epochs", type=int, help="default: 20 (full), 2 (tiny)")
+    ap.add_argument("--seeds", type=int, help="number of seeds 0..n-1; default 3 (full), 1 (tiny)")
+    ap.add_argument("--eval-samples", type=int, help="held-out images per run (0: none); default 32 (full), 4 (tiny)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    ap.add_argument("--report-only", action="store_true", help="only tabulate and plot the runs already saved")
+    ap.add_argument("--out", help="default deploy/results/study")
+    ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset)")
+    args = ap.parse_args(argv)
+    d = SIZES[args.size]
+    epochs, n_seeds = args.epochs or d["epochs"], args.seeds or d["seeds"]
+    n_eval = d["eval_samples"] if args.eval_samples is None else args.eval_samples
+    out = out_dir("study", args.out)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # Distinct (scheme, replay) runs across the chosen suites, so shared ones run once.
+    axes_list = list(dict.fromkeys(ax for s in args.suite for ax in SUITES[s].values()))
+    log("study", f"{len(args.reward)} reward(s) x {len(axes_list)} variants x {n_seeds} seeds x {epochs} epochs -> {out}")
+    summaries = {}
+    for reward in args.reward:
+        base = None if args.report_only else base_eval(out, args.size, reward, args.overrides, n_eval)
+        done = {}
+        for seed in range(n_seeds):
+            for axes in axes_list:
+                r = get_run(out, args.size, reward, epochs, args.overrides, axes, seed, n_eval, run=not args.report_only)
+                if r is not None:
+                    done.setdefault(axes, []).append(r)
+        for suite in args.suite:
+            runs = {label: done.get(axes, []) for label, axes in SUITES[suite].items()}
+            summaries[f"{suite}_{reward}"] = report(out, suite, reward, runs, base)
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Config validation, clear errors before anything starts, the watchdog, and the sample/eval commands."""
+import json
+
+import pytest
+import torch
+import yaml
+
+from diffrlhf.deploy.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.lr=-1", ["train.lr", "-1", "> 0"]),
+    ("replay.mode=foo", ["replay.mode", "foo", "hardmine"]),
+    ("weighting.scheme=latent_cube", ["weighting.scheme", "latent_sq", "gaussian_mid"]),
+    ("train.lrr=1", ["train.lrr", "lr"]),
+    ("sample.num_steps=abc", ["sample.num_steps", "abc", "int"]),
+    ("sample.eta=0", ["sample.eta", "> 0"]),
+    ("train.batch_size=5", ["train.batch_size", "32"]),
+    ("advantage.mode=group", ["group", "samples_per_prompt"]),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides=[override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_overrides_and_presets():
+    cfg = load_config("tiny", overrides=["train.lr=1e-3", "replay.mode=hardmine", "reward.spec={name: weighted_sum}"])
+    assert cfg.train.lr == 0.001 and cfg.replay.mode == "hardmine" and cfg.reward.spec == {"name": "weighted_sum"}
+    sd = load_config("sd15-ddpo")
+    assert (sd.train.lr, sd.train.clip_range, sd.sample.num_steps, sd.samples_per_epoch()) == (3e-4, 1e-4, 50, 256)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config("nope")
+
+
+def test_missing_model_fails_before_ray_starts(capsys, tmp_path):
+    ray = pytest.importorskip("ray")
+    from diffrlhf.deploy.cli import main
+
+    ray.shutdown()
+    code = main(["train", f"model.name={tmp_path}/no-such-model", f"run.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no-such-model" in err and "does not exist" in err
+    assert not ray.is_initialized()
+    code = main(["train", "model.name=someorg/some-model", f"run.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "local Hugging Face cache" in err and "huggingface-cli download someorg/some-model" in err
+    code = main(["train", "train.clip_range=0"])
+    assert code == 2 and "train.clip_range" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_missing_prompt_file_is_a_clear_error(tmp_path):
+    from diffrlhf.actors.prompts import load_prompts
+
+    with pytest.raises(FileNotFoundError, match="one prompt per line"):
+        load_prompts(str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(str(tmp_path / "empty.txt"))
+
+
+def test_watchdog_flags_idle_roles_stuck_queues_and_flat_reward():
+    from diffrlhf.deploy.observe import Watchdog
+
+    w = Watchdog(role_timeout_s=10, queue_timeout_s=10, flat_epochs=3)
+    w.work_done("learner", now=0)
+    w.waiting("learner", "epoch 3: 1/4 batches")
+    w.queue("scoring", 4, capacity=4, now=0)
+    assert w.check(now=5) == []
+    msgs = w.check(now=20)
+    assert any("learner" in m and "epoch 3: 1/4 batches" in m for m in msgs)
+    assert any("scoring" in m and "full" in m for m in msgs)
+    assert w.check(now=21) == []  # said once
+    for r in (1.0, 1.0, 1.0):
+        w.reward(r)
+    assert any("not changed" in m for m in w.check(now=22))
+    w.work_done("learner", now=30)
+    w.queue("scoring", 2, capacity=4, now=30)
+    assert w.check(now=35) == []
+
+
+def test_sample_and_eval_commands_on_a_run_folder(tmp_path, tiny):
+    from diffrlhf.deploy.config import load_config
+    from diffrlhf.deploy.evaluate import cmd_eval, cmd_sample, format_table
+    from diffrlhf.learner.lora import add_lora, save_lora
+
+    cfg = load_config("tiny", overrides=["model.name=tiny-random", "sample.num_steps=3", "sample.resolution=32",
+                                         "prompts.train=simple_animals", "prompts.eval=eval_simple_animals"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    add_lora(tiny.unet, rank=4)
+    with torch.no_grad():  # a visibly non-identity adapter
+        for n, p in tiny.unet.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    save_lora(tiny.unet, run / "lora" / "epoch_0001")
+    grid = cmd_sample(run, "eval_simple_animals", None, n=1, which="latest")
+    assert grid.exists() and grid.stat().st_size > 1000
+    result = cmd_eval(run, n=1, clip=str(tmp_path / "no-clip"))
+    saved = json.loads((run / "eval.json").read_text())
+    assert set(saved["splits"]) == {"train", "heldout"} and saved["lora"] == "epoch_0001"
+    h = saved["splits"]["heldout"]
+    assert h["reward_base"] != h["reward_lora"] and h["clip_base"] is None
+    assert "heldout" in format_table(result)
+    with pytest.raises(FileNotFoundError, match="epoch_0001"):
+        cmd_sample(run, "eval_simple_animals", None, n=1, which="epoch_0099")
