@@ -119,11 +119,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_fetch_weights(args) -> int:
-    from diffrlhf.rewards.fetch import fetch_weights
+    from diffrlhf.rewards.fetch import main as fetch_main
 
-    path = fetch_weights(args.name, args.dest)
-    print(f"[diffrlhf] {args.name} weights at {path}")
-    return 0
+    return fetch_main([args.name] + (["--dest", args.dest] if args.dest else []) + ["--version", args.version])
 
 
 def cmd_presets(args) -> int:
@@ -163,6 +161,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("fetch-weights", help="download a reward model's weights into the cache (needs internet)")
     p.add_argument("name")
     p.add_argument("--dest", default=None)
+    p.add_argument("--version", default="v2.1", help="hpsv2 only: v2.0 or v2.1")
     p.set_defaults(fn=cmd_fetch_weights)
     p = sub.add_parser("presets", help="list config presets")
     p.set_defaults(fn=cmd_presets)

@@ -55,13 +55,20 @@ def assert_matches_reference(records, reference):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5, rel=1e-3)
 
 
-def test_lag0_reproduces_reference_loop(tmp_path, reference_run):
-    cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0")
-    d = Driver(cfg, tmp_path / "run", progress=False)
+@pytest.fixture(scope="module")
+def lag0_run(tmp_path_factory):
+    """Three synchronous epochs on Ray (also the uninterrupted run the resume test compares with)."""
+    run_dir = tmp_path_factory.mktemp("lag0") / "run"
+    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), run_dir, progress=False)
     records = d.run()
+    d.shutdown()
+    return run_dir, records
+
+
+def test_lag0_reproduces_reference_loop(lag0_run, reference_run):
+    _, records = lag0_run
     assert_matches_reference(records, reference_run)
     assert all(r["policy_lag_max"] == 0 for r in records)
-    d.shutdown()
 
 
 def test_async_run_counts_queries_and_bounds_lag(tmp_path):
@@ -121,10 +128,8 @@ def test_sampler_deaths_do_not_stop_the_run(tmp_path, reference_run):
     d.shutdown()
 
 
-def test_stop_and_resume_continue_exactly(tmp_path):
-    straight = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), tmp_path / "a", progress=False)
-    full = straight.run()
-    straight.shutdown()
+def test_stop_and_resume_continue_exactly(tmp_path, lag0_run):
+    straight_dir, full = lag0_run
     first = Driver(cfg_with("train.epochs=2", "system.max_policy_lag=0"), tmp_path / "b", progress=False)
     first.run()
     first.shutdown()
@@ -137,7 +142,7 @@ def test_stop_and_resume_continue_exactly(tmp_path):
     assert [r["epoch"] for r in rest] == [2]
     assert rest[0]["reward_queries"] == full[-1]["reward_queries"] == 24
     assert rest[0]["reward_mean"] == pytest.approx(full[-1]["reward_mean"], abs=1e-4)
-    a, b = final_lora(tmp_path / "a"), final_lora(tmp_path / "b")
+    a, b = final_lora(straight_dir), final_lora(tmp_path / "b")
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
