@@ -95,8 +95,9 @@ def seed_matrix(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mean_se(values) -> tuple[float, float]:
+    """(mean, standard error); the error is None for a single value (no spread to report)."""
     v = np.asarray(values, dtype=np.float64)
-    se = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0
+    se = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
     return float(v.mean()), se
 
 
@@ -165,7 +166,7 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
                      f"({time.time() - t0:.0f}s)")
         if epoch == cfg.train.epochs - 1 and eval_samples:
             evals.update(evaluate(learner.c, learner.negative_embeds, cfg, eval_samples, learner.version))
-            log("study", f"{tag} held-out reward {evals['reward_mean']:.4f} +- {evals['reward_se']:.4f}")
+            log("study", f"{tag} held-out reward {_pm((evals['reward_mean'], evals['reward_se']))}")
 
     records = run_reference(cfg, progress=False, on_epoch=on_epoch)
     result = {"seed": cfg.run.seed, "axes": [cfg.weighting.scheme, cfg.replay.mode], "reward": cfg.reward.spec,
@@ -211,7 +212,7 @@ def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int) -
     res = evaluate(comps, learner.negative_embeds, cfg, eval_samples, 0)
     res["key"] = key
     write_json(path, res)
-    log("study", f"{reward} base policy held-out reward {res['reward_mean']:.4f} +- {res['reward_se']:.4f}")
+    log("study", f"{reward} base policy held-out reward {_pm((res['reward_mean'], res['reward_se']))}")
     return res
 
 
@@ -242,7 +243,9 @@ def summarise_suite(suite: str, reward: str, runs: dict[str, list[dict]], base: 
 
 
 def _pm(v) -> str:
-    return "-" if not v else f"{v[0]:.4f} +- {v[1]:.4f}"
+    if not v:
+        return "-"
+    return f"{v[0]:.4f}" if v[1] is None else f"{v[0]:.4f} +- {v[1]:.4f}"
 
 
 def table_markdown(summary: dict) -> str:
@@ -274,17 +277,20 @@ def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: s
         if not rs:
             continue
         q, y = seed_matrix(rs)
-        m = y.mean(0)
-        line, = ax.plot(q, m, "o-", ms=3, label=f"{label} ({len(rs)} seeds)")
+        ys = np.array([smooth(r) for r in y])  # the line is what the reach criterion reads
+        m = ys.mean(0)
+        line, = ax.plot(q, m, "-", label=f"{label} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+        ax.plot(q, y.mean(0), ".", ms=4, color=line.get_color(), alpha=0.6)
         if len(rs) > 1:
-            se = y.std(0, ddof=1) / np.sqrt(len(rs))
+            se = ys.std(0, ddof=1) / np.sqrt(len(rs))
             ax.fill_between(q, m - se, m + se, color=line.get_color(), alpha=0.2)
     rows = [r for r in summary["rows"] if r.get("seeds")]
     if rows:
         ax.axhline(rows[0]["target"], color="k", ls=":", lw=1, label="baseline final (smoothed)")
     ax.set_xlabel("reward queries")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{summary['suite']}: seed-mean reward per epoch, band = +-1 s.e. over seeds", fontsize=9)
+    ax.set_title(f"{summary['suite']}: line = seed-mean of {SMOOTH_WINDOW}-epoch trailing average, band = +-1 s.e. over seeds,\n"
+                 "dots = seed-mean raw epoch reward", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

@@ -1,0 +1,146 @@
+"""The benchmark commands (deploy/bench) at --size tiny, and the study's reach computation."""
+import json
+
+import numpy as np
+import pytest
+
+from diffrlhf.deploy.bench.study import queries_to_reach, smooth, summarise_suite, table_markdown
+
+
+# ----------------------------------------------------------------------------- 'queries to reach the baseline'
+
+
+def test_smooth_is_a_trailing_three_epoch_mean():
+    assert smooth([3, 6, 9, 12]).tolist() == pytest.approx([3, 4.5, 6, 9])
+
+
+def test_queries_to_reach_hand_computed():
+    q = [10, 20, 30, 40, 50]
+    base = [0, 1, 2, 3, 4]  # smoothed 0, .5, 1, 2, 3 -> target 3, first reached at the last epoch (50)
+    fast = [1, 3, 5, 5, 5]  # smoothed 1, 2, 3, 4.33, 5 -> reaches 3 at epoch 2 (30 queries)
+    r = queries_to_reach(q, base, q, fast)
+    assert r["target"] == pytest.approx(3.0)
+    assert (r["baseline_queries"], r["queries"], r["reached"]) == (50, 30, True)
+    assert r["ratio"] == pytest.approx(50 / 30) and r["ratio_upper_bound"] is None
+    assert queries_to_reach(q, base, q, base)["ratio"] == pytest.approx(1.0)  # the baseline against itself
+
+
+def test_queries_to_reach_uses_the_smoothed_curve_and_reports_not_reached():
+    q = [10, 20, 30, 40, 50]
+    base = [0, 1, 2, 3, 4]
+    spike = [0, 0, 6, 0, 0]  # the raw epoch 2 is above 3, the smoothed curve (0, 0, 2, 2, 2) never is
+    r = queries_to_reach(q, base, [20, 40, 60, 80, 100], spike)
+    assert (r["queries"], r["reached"], r["ratio"]) == (None, False, None)
+    assert r["total_queries"] == 100 and r["ratio_upper_bound"] == pytest.approx(0.5)  # ratio < 50/100
+
+
+def fake_run(seed, rewards, axes=("uniform", "none"), q_per_epoch=10):
+    recs = [{"reward_queries": q_per_epoch * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)]
+    return {"seed": seed, "axes": list(axes), "records": recs, "eval": {"reward_mean": rewards[-1]}, "wall_s": 1.0}
+
+
+def test_suite_table_averages_seeds_before_reaching():
+    # seed means: baseline 0, 1, 2, 3, 4 (as above); "+weighting" 1, 3, 5, 5, 5; "+hardmine" never gets there
+    runs = {"baseline": [fake_run(0, [0, 0, 2, 2, 4]), fake_run(1, [0, 2, 2, 4, 4])],
+            "+weighting": [fake_run(0, [0, 2, 4, 4, 4], ("latent_sq", "none")), fake_run(1, [2, 4, 6, 6, 6], ("latent_sq", "none"))],
+            "+hardmine": [fake_run(0, [0, 0, 0, 0, 0], ("uniform", "hardmine"))], "+both": []}
+    s = summarise_suite("ablation", "jpeg_compressibility", runs, None)
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert rows["baseline"]["queries"] == 50 and rows["+weighting"]["queries"] == 30
+    assert rows["+weighting"]["ratio"] == pytest.approx(50 / 30)
+    assert rows["+hardmine"]["reached"] is False and rows["+both"]["seeds"] == 0
+    md = table_markdown(s)
+    assert "| +weighting | 2 | 5 |" in md and "1.67" in md and "not reached in 50" in md and "< 1.00" in md
+
+
+def test_sd15_lora_shapes_match_sd15_rank4_adapter():
+    from diffrlhf.deploy.bench.systems import sd15_lora_shapes
+
+    for rank, params in ((4, 797_184), (32, 8 * 797_184)):
+        shapes = sd15_lora_shapes(rank)
+        assert len(shapes) == 256 and sum(int(np.prod(s)) for s in shapes.values()) == params
+
+
+# ----------------------------------------------------------------------------- the commands at tiny size
+
+
+@pytest.fixture()
+def keep_torch_threads():
+    """study --threads sets the process-wide thread count; later tests expect conftest's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads):
+    from diffrlhf.deploy.bench import study
+
+    args = ["--size", "tiny", "--out", str(tmp_path), "--threads", "1"]
+    study.main(args)
+    for f in ("ablation_jpeg_compressibility.json", "ablation_jpeg_compressibility.md", "ablation_jpeg_compressibility.png"):
+        assert (tmp_path / f).exists(), f
+    summary = json.loads((tmp_path / "ablation_jpeg_compressibility.json").read_text())
+    assert [r["variant"] for r in summary["rows"]] == ["baseline", "+weighting", "+hardmine", "+both"]
+    assert all(r["epochs"] == 2 and r["heldout"] is not None for r in summary["rows"])
+    run_files = sorted(tmp_path.glob("runs/jpeg_compressibility/*/seed0.json"))
+    assert len(run_files) == 4
+    saved = json.loads(run_files[0].read_text())
+    assert [r["reward_queries"] for r in saved["records"]] == [4, 8] and saved["eval"]["samples"] == 4
+    # resumable: a second call reuses every saved run
+    mtimes = [f.stat().st_mtime_ns for f in run_files]
+    study.main(args)
+    assert [f.stat().st_mtime_ns for f in run_files] == mtimes
+    # a different config must not silently mix with the saved runs
+    with pytest.raises(SystemExit, match="different config"):
+        study.main(args + ["--epochs", "3"])
+
+
+def test_systems_tiny_simulated_scaling_and_broadcast(tmp_path):
+    """No model is loaded here (simulated roles, broadcast stand-ins): only Ray start-up costs."""
+    pytest.importorskip("ray")
+    from diffrlhf.deploy.bench import systems
+
+    calib = {"batch_size": 4, "sample_s_per_batch": 0.05, "score_s_per_batch": 0.01, "update_s_per_sample": 0.005,
+             "shapes": {"latents": [4, 4, 4, 4], "prompt_embeds": [77, 32], "images": [32, 32, 3]}}
+    (tmp_path / "calib.json").write_text(json.dumps(calib))
+    systems.main(["--size", "tiny", "--parts", "scale", "broadcast", "--calib", str(tmp_path / "calib.json"), "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "systems.json").read_text())
+    rows = data["scale"]["sweeps"]["learner_calibrated"]
+    assert data["scale"]["SIMULATED"] and [r["samplers"] for r in rows] == [1, 2]
+    assert all(r["samples_per_s"] > 0 for r in rows) and rows[1]["linear_samples_per_s"] == pytest.approx(2 * rows[0]["samples_per_s"])
+    # pipeline bound, 2 batches of 4 per epoch, 1 sampler: 8 / max(2 * 0.05, 2 * 0.01, 8 * 0.005) = 80 samples/s
+    assert rows[0]["bound_samples_per_s"] == pytest.approx(80.0)
+    assert data["broadcast"]["ranks"]["4"]["params"] == 797_184
+    assert [r["actors"] for r in data["broadcast"]["ranks"]["4"]["rows"]] == [1, 2]
+    assert (tmp_path / "scale.png").exists() and (tmp_path / "broadcast.png").exists()
+
+
+@pytest.mark.slow  # two Ray runs whose sampler and learner actors each load diffusers/transformers/peft (~10 s CPU apiece)
+def test_systems_tiny_overhead_and_overlap(tmp_path):
+    pytest.importorskip("ray")
+    from diffrlhf.deploy.bench import systems
+
+    res = systems.main(["--size", "tiny", "--parts", "overhead", "overlap", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "systems.json").read_text())
+    oh = data["overhead"]
+    assert oh["ray_samples_per_s"] > 0 and oh["ratio_ray_over_reference"] == pytest.approx(oh["ray_samples_per_s"] / oh["reference_samples_per_s"])
+    assert [r["reward_queries"] for r in oh["ray_records"]] == [r["reward_queries"] for r in oh["reference_records"]] == [4, 8]
+    ov = data["overlap"]
+    assert ov["lag0"]["policy_lag_max"] == 0 and ov["lag1"]["wall_s_per_epoch"] > 0
+    assert {"sampling", "scoring", "learning"} <= set(ov["lag1"]["stage_s_per_epoch"])
+    assert (tmp_path / "overlap.png").exists() and res["overlap"]["num_samplers"] == 1
+
+
+def test_gpu_bench_tiny_on_cpu(tmp_path):
+    from diffrlhf.deploy.bench import gpu
+
+    gpu.main(["--size", "tiny", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert [r["dtype"] for r in data["results"]] == ["float32", "bfloat16"]
+    for r in data["results"]:
+        assert r["flops_per_image_per_step"]["forward_backward"] > r["flops_per_image_per_step"]["forward"] > 0
+        assert r["sampling"][0]["images_per_s"] > 0 and r["update"][0]["images_per_s"] > 0
+    calib = json.loads((tmp_path / "calib_float32.json").read_text())
+    assert calib["shapes"]["images"] == [32, 32, 3] and calib["update_s_per_sample"] > 0
