@@ -1,0 +1,356 @@
+"""Pretrain the tiny-world model on CPU: the VAE, then the UNet on its latents; then evaluate it.
+
+    python -m diffrlhf.learner.pretrain_tiny --out learner/tiny_world        # train + write weights
+    python -m diffrlhf.learner.pretrain_tiny --eval-only --results deploy/results/tinyworld
+
+Deterministic for a seed on a given torch build and thread count (2 threads). The text encoder
+stays at its seeded random init, frozen (SD's is frozen pretrained CLIP); its token embedding is
+stored as int8 + one scale, and we train against exactly those dequantised values, so the stored
+model is the trained model. UNet and VAE are trained in fp32 and stored in fp16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG, TinySize, build_tiny_components, save_components_folder
+from diffrlhf.learner import tinyworld as tw
+
+# The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), which trained faster here.
+SIZE = TinySize(attention_head_dim=4)
+
+
+def quantise_text_encoder_(text_encoder) -> None:
+    """Round the frozen text encoder to what we store: int8 token embedding, fp16 elsewhere."""
+    with torch.no_grad():
+        for name, p in text_encoder.named_parameters():
+            if name.endswith("token_embedding.weight"):
+                scale = p.abs().max() / 127
+                p.copy_(torch.round(p / scale).clamp(-127, 127) * scale)
+            else:
+                p.copy_(p.half().float())
+
+
+def train_vae(vae, images: np.ndarray, steps: int, batch: int, seed: int, kl_weight: float = 1e-4):
+    """Reconstruction L1 + L2 plus a small KL, on random 32 px crops (4x cheaper; the VAE is convolutional)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    data = torch.from_numpy(images).permute(0, 3, 1, 2)  # uint8, converted per batch
+    vae.train()
+    bar = tqdm(range(steps), desc="vae", mininterval=5)
+    for step in bar:
+        idx = torch.randint(len(data), (batch,), generator=g)
+        crop = 32 if step < int(0.8 * steps) else 64  # finish at full size so the mid-block sees 8x8
+        y0, x0 = torch.randint(0, 64 - crop + 1, (2,), generator=g).tolist()
+        x = data[idx, :, y0 : y0 + crop, x0 : x0 + crop].float() / 127.5 - 1
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.sample(generator=g)).sample
+        kl = post.kl().mean() / post.mean[0].numel()  # per latent element
+        loss = (rec - x).abs().mean() + (rec - x).pow(2).mean() + kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}", kl=f"{kl.item():.2f}")
+    vae.eval()
+
+
+@torch.no_grad()
+def encode_dataset(vae, images: np.ndarray, bs: int = 256):
+    """Posterior mean and std of every image (unscaled), to sample latents cheaply during UNet training."""
+    means, stds = [], []
+    for i in range(0, len(images), bs):
+        x = torch.from_numpy(images[i : i + bs]).permute(0, 3, 1, 2).float() / 127.5 - 1
+        post = vae.encode(x).latent_dist
+        means.append(post.mean)
+        stds.append(post.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+@torch.no_grad()
+def encode_captions(tokenizer, text_encoder, captions: list[str]) -> tuple[torch.Tensor, list[int]]:
+    """Embeddings of the unique captions and each caption's index into them."""
+    uniq = sorted(set(captions))
+    pos = {c: i for i, c in enumerate(uniq)}
+    embs = []
+    for i in range(0, len(uniq), 256):
+        ids = tokenizer(uniq[i : i + 256], padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+        embs.append(text_encoder(ids)[0])
+    return torch.cat(embs), [pos[c] for c in captions]
+
+
+def train_unet(unet, lat_mean, lat_std, scaling, cap_embs, cap_idx, empty_emb, steps, batch, seed, p_uncond=0.1):
+    """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance."""
+    from diffusers import DDPMScheduler
+
+    # Same betas as the DDIM sampler (DDPM has no set_alpha_to_one/steps_offset; they only affect sampling).
+    cfg = {k: v for k, v in SD15_SCHEDULER_CONFIG.items() if k not in ("set_alpha_to_one", "steps_offset")}
+    noise_sched = DDPMScheduler(**cfg)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(unet.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    # An EMA of the weights samples much better than the last iterate after a short noisy run.
+    ema = [p.detach().clone() for p in unet.parameters()]
+    cap_idx = torch.tensor(cap_idx)
+    unet.train()
+    bar = tqdm(range(steps), desc="unet", mininterval=5)
+    for step in bar:
+        idx = torch.randint(len(lat_mean), (batch,), generator=g)
+        z0 = (lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=g)) * scaling
+        emb = cap_embs[cap_idx[idx]]
+        drop = torch.rand(batch, generator=g) < p_uncond
+        emb = torch.where(drop[:, None, None], empty_emb, emb)
+        noise = torch.randn(z0.shape, generator=g)
+        t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,), generator=g)
+        zt = noise_sched.add_noise(z0, noise, t)
+        loss = (unet(zt, t, emb).sample - noise).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        decay = min(0.995, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(ema, unet.parameters()):
+                e.lerp_(p, 1 - decay)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    with torch.no_grad():
+        for e, p in zip(ema, unet.parameters()):
+            p.copy_(e)
+    unet.eval()
+
+
+def write_compact(full: Path, out: Path) -> None:
+    """From a saved diffusers folder, write the committed layout: configs + compact weights.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for sub, fname in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]:
+        (out / sub).mkdir(exist_ok=True)
+        shutil.copy(full / sub / "config.json", out / sub / "config.json")
+        sd = load_file(str(full / sub / f"{fname}.safetensors"))
+        compact = {}
+        for k, v in sd.items():
+            if k.endswith("token_embedding.weight"):
+                scale = v.abs().max() / 127
+                compact[k + ".int8"] = torch.round(v / scale).clamp(-127, 127).to(torch.int8)
+                compact[k + ".scale"] = scale.reshape(())
+            else:
+                compact[k] = v.half()
+        save_file(compact, str(out / sub / "weights.safetensors"))
+    (out / "scheduler").mkdir(exist_ok=True)
+    shutil.copy(full / "scheduler" / "scheduler_config.json", out / "scheduler" / "scheduler_config.json")
+    shutil.copy(full / "model_index.json", out / "model_index.json")
+
+
+def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: int) -> dict:
+    torch.manual_seed(seed)
+    t0 = time.time()
+    images, captions, _ = tw.make_dataset(n_images, seed=seed, split="train")
+    t_data = time.time() - t0
+    unet, vae, text_encoder, scheduler = build_tiny_components(seed, SIZE)
+    quantise_text_encoder_(text_encoder)
+    text_encoder.requires_grad_(False).eval()
+
+    t1 = time.time()
+    train_vae(vae, images, vae_steps, batch=32, seed=seed + 10)
+    t_vae = time.time() - t1
+    lat_mean, lat_std = encode_dataset(vae, images)
+    g = torch.Generator().manual_seed(seed + 11)
+    z = lat_mean + lat_std * torch.randn(lat_mean.shape, generator=g)
+    # Like SD's 0.18215: scale latents to unit std so the noise schedule means what it says.
+    scaling = float(1.0 / z.std())
+    vae.register_to_config(scaling_factor=scaling)
+
+    from diffrlhf.actors.models import load_tokenizer, write_clip_tokenizer
+
+    tmp_tok = Path(tempfile.mkdtemp())
+    tokenizer = load_tokenizer(write_clip_tokenizer(tmp_tok / "tokenizer"))
+    cap_embs, cap_idx = encode_captions(tokenizer, text_encoder, captions)
+    empty_emb, _ = encode_captions(tokenizer, text_encoder, [""])
+    t2 = time.time()
+    train_unet(unet, lat_mean, lat_std, scaling, cap_embs, cap_idx, empty_emb, unet_steps, batch=64, seed=seed + 20)
+    t_unet = time.time() - t2
+
+    full = tmp_tok / "full"
+    save_components_folder(full, unet, vae, text_encoder, scheduler)
+    write_compact(full, out)
+    shutil.rmtree(tmp_tok, ignore_errors=True)
+    info = dict(
+        seed=seed, n_images=n_images, vae_steps=vae_steps, unet_steps=unet_steps, size=str(SIZE),
+        vae_scaling_factor=scaling, seconds=dict(data=t_data, vae=t_vae, unet=t_unet, total=time.time() - t0),
+        torch=torch.__version__, threads=torch.get_num_threads(), sha256=tw.weights_digest(out),
+        date=time.strftime("%Y-%m-%d"),
+    )
+    (out / "info.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def load_pipeline(folder: Path):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def sample(pipe, prompts: list[str], seed: int, steps: int = 20, eta: float = 1.0, cfg: float = 5.0, record: bool = False):
+    """Stock-pipeline samples (uint8 [B,64,64,3]) and, if record, the latents after every step."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn((len(prompts), 4, 8, 8), generator=g)
+    traj = [z.clone()]
+
+    def cb(p, i, t, kw):
+        traj.append(kw["latents"].clone())
+        return kw
+
+    out = pipe(prompts, num_inference_steps=steps, eta=eta, guidance_scale=cfg, latents=z, generator=g,
+               output_type="np", callback_on_step_end=cb if record else None)
+    imgs = (out.images * 255).round().astype(np.uint8)
+    return imgs, traj
+
+
+def colour_rates(pipe, split: str, n: int, seed: int):
+    scenes = tw.eval_scenes(split, n)
+    prompts = [s.caption() for s in scenes]
+    imgs = np.concatenate([sample(pipe, prompts[i : i + 16], seed + i)[0] for i in range(0, n, 16)])
+    checks = np.array([tw.colour_check(im, s) for im, s in zip(imgs, scenes)])
+    return checks.mean(0), imgs, prompts
+
+
+def save_grid(imgs, prompts, path: Path, cols: int = 8, title: str = ""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(len(imgs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.6, rows * 1.9))
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, im, p in zip(axes.ravel(), imgs, prompts):
+        ax.imshow(im)
+        words = p.split(" on a ")
+        ax.set_title("\n".join([words[0]] + (["on " + words[1]] if len(words) > 1 else [])), fontsize=5.5)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> dict:
+    results.mkdir(parents=True, exist_ok=True)
+    pipe = load_pipeline(folder)
+    stats = {}
+    # 1. Prompt adherence: colour check on held-out and train captions.
+    for split in ("heldout", "train"):
+        (fg, bg), imgs, prompts = colour_rates(pipe, split, n_check, seed + 1000)
+        stats[f"{split}_shape_colour_ok"] = float(fg)
+        stats[f"{split}_background_colour_ok"] = float(bg)
+        save_grid(imgs[:32], prompts[:32], results / f"samples_{split}.png",
+                  title=f"tiny-world, {split} captions, DDIM 20 steps, eta 1, CFG 5 (shape colour ok {fg:.0%})")
+    # Real data for reference.
+    real, real_caps, _ = tw.make_dataset(32, seed=seed + 5, split="heldout")
+    save_grid(real, real_caps, results / "real_heldout.png", title="real held-out images (not trained on)")
+
+    # 2. Latent statistics: sampled vs real.
+    real, _, _ = tw.make_dataset(256, seed=seed + 6, split="train")
+    x = torch.from_numpy(real).permute(0, 3, 1, 2).float() / 127.5 - 1
+    z_real = pipe.vae.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(0)) * pipe.vae.config.scaling_factor
+    scenes = tw.eval_scenes("train", 64, seed=77)
+    prompts = [s.caption() for s in scenes]
+    _, traj = sample(pipe, prompts, seed + 2000, record=True)
+    z_final = traj[-1]
+    stats["real_latent_std"] = float(z_real.std())
+    stats["sampled_latent_std"] = float(z_final.std())
+    # 3. The UNet's noise prediction at high noise should be ~ unit std (it predicts N(0, I) noise).
+    sch = pipe.scheduler
+    emb = pipe.encode_prompt(prompts[: len(z_real) // 4], "cpu", 1, False)[0]
+    zr = z_real[: len(emb)]
+    for t in (999, 951, 500, 100):
+        noise = torch.randn(zr.shape, generator=torch.Generator().manual_seed(t))
+        a = sch.alphas_cumprod[t]
+        zt = a.sqrt() * zr + (1 - a).sqrt() * noise
+        eps = pipe.unet(zt, torch.tensor(t), emb).sample
+        stats[f"noise_pred_std_t{t}"] = float(eps.std())
+        stats[f"noise_pred_mse_t{t}"] = float((eps - noise).pow(2).mean())
+    # 4. Per-step mean squared latent change and DDIM's sampling std sqrt(beta_tilde_t) * eta.
+    sch.set_timesteps(20)
+    ts = sch.timesteps.tolist()
+    step_ratio = sch.config.num_train_timesteps // 20
+    rows = []
+    for i, t in enumerate(ts):
+        prev = t - step_ratio
+        var = float(sch._get_variance(torch.tensor(t), torch.tensor(prev)))
+        dz2 = float((traj[i + 1] - traj[i]).pow(2).mean())
+        rows.append(dict(step=i, t=t, mean_sq_change=dz2, ddim_std=math.sqrt(var) * 1.0))
+    stats["per_step"] = rows
+    _plot_steps(rows, results / "latent_change_per_step.png")
+    (results / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def _plot_steps(rows, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["t"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(t, [r["mean_sq_change"] for r in rows], "o-", label=r"mean $|z_t - z_{t-1}|^2$ per element")
+    ax.plot(t, [r["ddim_std"] ** 2 for r in rows], "s--", label=r"DDIM noise variance $\tilde\beta_t\,\eta^2$")
+    ax.plot(t, [r["ddim_std"] for r in rows], "^:", label=r"DDIM sampling std $\sqrt{\tilde\beta_t}\,\eta$")
+    ax.set_xlabel("timestep t (sampling runs right to left)")
+    ax.set_yscale("log")
+    ax.invert_xaxis()
+    ax.legend(fontsize=7)
+    ax.set_title("tiny-world, DDIM 20 steps, eta 1, CFG 5, 64 samples", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=tw.WEIGHTS_DIR, help="where to write the compact weights")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--images", type=int, default=10000)
+    ap.add_argument("--vae-steps", type=int, default=400)
+    ap.add_argument("--unet-steps", type=int, default=900)
+    ap.add_argument("--results", type=Path, default=None, help="also evaluate and write pictures/stats here")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the committed weights (ensure_tiny_world)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    if not args.eval_only:
+        info = pretrain(args.out, args.seed, args.images, args.vae_steps, args.unet_steps)
+        print(json.dumps(info, indent=2))
+        print(f"wrote {args.out} (sha256 {info['sha256'][:16]}, recorded in info.json)")
+    if args.results or args.eval_only:
+        folder = Path(tempfile.mkdtemp()) / "tiny-world"
+        tw._assemble(args.out, folder)  # evaluate exactly what was written
+        stats = evaluate(folder, args.results or Path("deploy/results/tinyworld"))
+        print(json.dumps({k: v for k, v in stats.items() if k != "per_step"}, indent=2))
+        for r in stats["per_step"]:
+            print(f"{r['step']:3d} t={r['t']:4d}  mean|dz|^2={r['mean_sq_change']:.4f}  ddim_std={r['ddim_std']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The tiny world: a procedural captioned image set and the small SD1.5-architecture model trained on it.
+
+Images are 64 px pictures of coloured shapes (circle, square, triangle, star; one or two; small or
+large; plain, striped, checkered or noisy) on a plain-colour or gradient background, rendered with
+numpy/PIL from a seed (no download). Captions name what was drawn, e.g. "two small striped green
+squares on a blue background". Textures matter for RL: plain shapes compress well as JPEG, noisy and
+striped ones do not, so compressibility rewards have room to move in both directions.
+
+The split is by (colour, shape) pair: HELDOUT_PAIRS never appear in training images, so held-out
+captions test composition of words the model has seen only in other combinations.
+
+`ensure_tiny_world()` assembles the committed fp16 weights in ``tiny_world/`` into a standard
+diffusers folder in the cache, which `actors.models.load_components("tiny-world")` and diffusers'
+StableDiffusionPipeline both load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+RES = 64
+PALETTE = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (240, 220, 40),
+    "purple": (140, 60, 190),
+    "orange": (250, 140, 20),
+    "white": (240, 240, 240),
+    "black": (20, 20, 20),
+}
+COLOURS = list(PALETTE)
+SHAPES = ["circle", "square", "triangle", "star"]
+SIZES = ["small", "large"]
+COUNTS = [1, 2]
+TEXTURES = ["plain", "striped", "checkered", "noisy"]
+BACKGROUNDS = COLOURS + ["gradient"]
+# (colour, shape) pairs never drawn in training: one per colour, each shape twice.
+HELDOUT_PAIRS = {
+    ("red", "triangle"), ("green", "square"), ("blue", "star"), ("yellow", "circle"),
+    ("purple", "triangle"), ("orange", "square"), ("white", "star"), ("black", "circle"),
+}
+PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars"}
+
+WEIGHTS_DIR = Path(__file__).parent / "tiny_world"
+PRETRAIN_COMMAND = "python -m diffrlhf.learner.pretrain_tiny --out learner/tiny_world"
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What one image shows; the caption may mention only part of it."""
+
+    colour: str
+    shape: str
+    size: str
+    count: int
+    texture: str
+    background: str  # a colour name or "gradient"
+
+    def caption(self, mention_size=True, mention_texture=True, mention_background=True) -> str:
+        words = ["two" if self.count == 2 else "a"]
+        if mention_size:
+            words.append(self.size)
+        if mention_texture and self.texture != "plain":
+            words.append(self.texture)
+        words.append(self.colour)
+        words.append(PLURAL[self.shape] if self.count == 2 else self.shape)
+        text = " ".join(words)
+        if mention_background:
+            text += f" on a {self.background} background"
+        # "a" before a vowel sound reads better and is what real captions would say.
+        return text.replace("a orange", "an orange")
+
+    @property
+    def heldout(self) -> bool:
+        return (self.colour, self.shape) in HELDOUT_PAIRS
+
+
+def random_scene(rng: np.random.Generator, split: str = "train") -> Scene:
+    """A random scene from the train or held-out part (split by (colour, shape) pair)."""
+    while True:
+        colour = COLOURS[rng.integers(len(COLOURS))]
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        if ((colour, shape) in HELDOUT_PAIRS) == (split == "heldout"):
+            break
+    # The background never has the shape's colour, or the shape would vanish.
+    bgs = [b for b in BACKGROUNDS if b != colour]
+    return Scene(
+        colour=colour,
+        shape=shape,
+        size=SIZES[rng.integers(2)],
+        count=COUNTS[rng.integers(2)],
+        texture=TEXTURES[rng.integers(len(TEXTURES))],
+        background=bgs[rng.integers(len(bgs))],
+    )
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]] | None:
+    if shape == "triangle":
+        return [(cx + r * np.cos(a), cy + r * np.sin(a)) for a in np.deg2rad([-90, 30, 150])]
+    if shape == "star":
+        pts = []
+        for k in range(10):
+            rr = r if k % 2 == 0 else 0.45 * r
+            a = np.deg2rad(-90 + 36 * k)
+            pts.append((cx + rr * np.cos(a), cy + rr * np.sin(a)))
+        return pts
+    return None
+
+
+def _shape_mask(scene: Scene, rng: np.random.Generator) -> np.ndarray:
+    """Float mask in [0, 1], antialiased by drawing at 4x and averaging down."""
+    ss = 4
+    if scene.size == "large":
+        r = rng.uniform(16, 21) if scene.count == 1 else rng.uniform(12, 13)
+    else:
+        r = rng.uniform(8, 10) if scene.count == 1 else rng.uniform(7, 8)
+    # Centres: one anywhere it fits; two side by side (left/right or top/bottom) so they don't overlap.
+    if scene.count == 1:
+        centres = [tuple(rng.uniform(r + 1, RES - r - 1, size=2))]
+    else:
+        if rng.random() < 0.5:
+            a = (rng.uniform(r + 1, RES / 2 - r), rng.uniform(r + 1, RES - r - 1))
+            b = (rng.uniform(RES / 2 + r, RES - r - 1), rng.uniform(r + 1, RES - r - 1))
+        else:
+            a = (rng.uniform(r + 1, RES - r - 1), rng.uniform(r + 1, RES / 2 - r))
+            b = (rng.uniform(r + 1, RES - r - 1), rng.uniform(RES / 2 + r, RES - r - 1))
+        centres = [a, b]
+    img = Image.new("L", (RES * ss, RES * ss), 0)
+    draw = ImageDraw.Draw(img)
+    for cx, cy in centres:
+        cx, cy, rs = cx * ss, cy * ss, r * ss
+        if scene.shape == "circle":
+            draw.ellipse([cx - rs, cy - rs, cx + rs, cy + rs], fill=255)
+        elif scene.shape == "square":
+            h = rs * 0.85  # a square of "radius" r looks bigger than a circle; shrink to similar area
+            draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=255)
+        else:
+            draw.polygon(_shape_polygon(scene.shape, cx, cy, rs), fill=255)
+    m = np.asarray(img, dtype=np.float32) / 255.0
+    return m.reshape(RES, ss, RES, ss).mean(axis=(1, 3))
+
+
+def _texture(scene: Scene, rng: np.random.Generator) -> np.ndarray:
+    """The shape's fill [H, W, 3] in 0..255: its colour, alternated with a darker shade or noised."""
+    c = np.array(PALETTE[scene.colour], dtype=np.float32)
+    # The second tone is a darker (or, for black, lighter) shade of the same colour, so the
+    # dominant colour stays the named one whatever the texture.
+    shade = c * 0.55 if scene.colour != "black" else c + 70
+    yy, xx = np.mgrid[0:RES, 0:RES]
+    if scene.texture == "plain":
+        sel = np.zeros((RES, RES), bool)
+    elif scene.texture == "striped":
+        period = int(rng.choice([4, 6]))
+        coord = xx if rng.random() < 0.5 else yy
+        sel = (coord // (period // 2)) % 2 == 1
+    elif scene.texture == "checkered":
+        cell = int(rng.choice([3, 4]))
+        sel = ((xx // cell) + (yy // cell)) % 2 == 1
+    else:  # noisy: per-pixel noise, the least JPEG-compressible
+        return np.clip(c + rng.normal(0, 45, size=(RES, RES, 3)), 0, 255).astype(np.float32)
+    return np.where(sel[..., None], shade, c).astype(np.float32)
+
+
+def _background(scene: Scene, rng: np.random.Generator) -> np.ndarray:
+    if scene.background != "gradient":
+        return np.broadcast_to(np.array(PALETTE[scene.background], np.float32), (RES, RES, 3))
+    # A linear blend between two palette colours other than the shape's, in a random direction.
+    others = [c for c in COLOURS if c != scene.colour]
+    i, j = rng.choice(len(others), size=2, replace=False)
+    c0, c1 = np.array(PALETTE[others[i]], np.float32), np.array(PALETTE[others[j]], np.float32)
+    ang = rng.uniform(0, 2 * np.pi)
+    yy, xx = np.mgrid[0:RES, 0:RES] / (RES - 1) - 0.5
+    t = np.clip(xx * np.cos(ang) + yy * np.sin(ang) + 0.5, 0, 1)[..., None]
+    return c0 * (1 - t) + c1 * t
+
+
+def render(scene: Scene, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [64, 64, 3] image of the scene; placement and texture phases come from rng."""
+    mask = _shape_mask(scene, rng)[..., None]
+    img = _background(scene, rng) * (1 - mask) + _texture(scene, rng) * mask
+    return np.clip(img + 0.5, 0, 255).astype(np.uint8)
+
+
+def make_dataset(n: int, seed: int = 0, split: str = "train", p_mention: float = 0.7):
+    """n (image, caption, scene) triples, deterministic for (n, seed, split).
+
+    Colour and shape are always named; size, texture and background each with probability
+    p_mention, so short prompts ("a red circle") are in-distribution too.
+    """
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    images = np.empty((n, RES, RES, 3), np.uint8)
+    captions, scenes = [], []
+    for i in range(n):
+        s = random_scene(rng, split)
+        m = rng.random(3) < p_mention
+        captions.append(s.caption(*m))
+        scenes.append(s)
+        images[i] = render(s, rng)
+    return images, captions, scenes
+
+
+def captions(split: str = "train") -> list[str]:
+    """RL prompt lists: "a red circle", "two red circles", ... for the split's (colour, shape) pairs.
+
+    Size, texture and background are left open, so a reward (e.g. JPEG compressibility: plain
+    texture, flat background) has room to move the images without leaving the caption.
+    """
+    out = []
+    for colour in COLOURS:
+        for shape in SHAPES:
+            if ((colour, shape) in HELDOUT_PAIRS) != (split == "heldout"):
+                continue
+            for count in COUNTS:
+                s = Scene(colour, shape, "small", count, "plain", "white")
+                out.append(s.caption(mention_size=False, mention_texture=False, mention_background=False))
+    return out
+
+
+def eval_scenes(split: str, n: int, seed: int = 123) -> list[Scene]:
+    """Fully specified plain-background scenes for the colour check (background colour is checkable)."""
+    rng = np.random.default_rng([seed, 7])
+    out = []
+    while len(out) < n:
+        s = random_scene(rng, split)
+        if s.background != "gradient":
+            out.append(s)
+    return out
+
+
+# ----------------------------------------------------------------------------- automatic colour check
+
+
+def palette_classes(img: np.ndarray, max_dist: float = 80.0) -> np.ndarray:
+    """Per-pixel index of the nearest palette colour, -1 where none is within max_dist (RGB)."""
+    pal = np.array(list(PALETTE.values()), np.float32)
+    d = np.linalg.norm(img.astype(np.float32)[..., None, :] - pal, axis=-1)
+    cls = d.argmin(-1)
+    cls[d.min(-1) > max_dist] = -1
+    return cls
+
+
+def colour_check(img: np.ndarray, scene: Scene) -> tuple[bool, bool]:
+    """(shape colour right, background colour right) for an image generated from scene's caption.
+
+    The background must be the most frequent palette colour; the shape colour must be the most
+    frequent palette colour among the rest and cover at least 1% of the image. Fits this data: the
+    shape's shades are darker versions of its colour, the background is one flat colour.
+    """
+    cls = palette_classes(img)
+    counts = np.bincount(cls[cls >= 0].ravel(), minlength=len(PALETTE))
+    bg_i, fg_i = COLOURS.index(scene.background), COLOURS.index(scene.colour)
+    bg_ok = bool(counts.argmax() == bg_i)
+    rest = counts.copy()
+    rest[bg_i] = -1
+    fg_ok = bool(rest.argmax() == fg_i and counts[fg_i] >= 0.01 * img.shape[0] * img.shape[1])
+    return fg_ok, bg_ok
+
+
+# ----------------------------------------------------------------------------- assembling the model folder
+
+
+def weight_files(folder: Path | None = None) -> list[Path]:
+    return sorted(p for p in Path(folder or WEIGHTS_DIR).rglob("*.safetensors"))
+
+
+def weights_digest(folder: Path | None = None) -> str:
+    """sha256 over the committed weight files' relative paths and bytes."""
+    folder = Path(folder or WEIGHTS_DIR)
+    h = hashlib.sha256()
+    for f in weight_files(folder):
+        h.update(f.relative_to(folder).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def recorded_digest(folder: Path | None = None) -> str:
+    """The sha256 pretrain_tiny.py recorded in info.json when it wrote the weights."""
+    return json.loads((Path(folder or WEIGHTS_DIR) / "info.json").read_text())["sha256"]
+
+
+def _missing_error(why: str):
+    from diffrlhf.actors.models import ModelNotFoundError
+
+    return ModelNotFoundError(
+        f"the tiny-world weights are not usable ({why}; looked in {WEIGHTS_DIR}). Rebuild them "
+        f"(about 15 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
+        "or restore learner/tiny_world/ from git."
+    )
+
+
+def _assemble(src: Path, dst: Path) -> None:
+    """Write a standard fp32 diffusers folder at dst from the compact committed files in src."""
+    from safetensors.torch import load_file, save_file
+
+    from diffrlhf.actors.models import write_clip_tokenizer
+
+    for sub, name in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]:
+        (dst / sub).mkdir(parents=True)
+        shutil.copy(src / sub / "config.json", dst / sub / "config.json")
+        sd = load_file(str(src / sub / "weights.safetensors"))
+        # The token embedding is stored as int8 with one fp32 scale (it is a frozen random init,
+        # so this is exact: training used the dequantised values). Everything else is fp16.
+        for key in [k for k in sd if k.endswith(".int8")]:
+            base = key[: -len(".int8")]
+            sd[base] = sd.pop(key).float() * sd.pop(base + ".scale")
+        sd = {k: v.float().contiguous() for k, v in sd.items()}
+        save_file(sd, str(dst / sub / f"{name}.safetensors"))
+    (dst / "scheduler").mkdir()
+    shutil.copy(src / "scheduler" / "scheduler_config.json", dst / "scheduler" / "scheduler_config.json")
+    write_clip_tokenizer(dst / "tokenizer")
+    shutil.copy(src / "model_index.json", dst / "model_index.json")
+
+
+def ensure_tiny_world() -> Path:
+    """Assemble (once) and return the diffusers folder of the pretrained tiny-world model."""
+    from diffrlhf.actors.models import cache_dir
+
+    if len(weight_files()) < 3 or not all((WEIGHTS_DIR / f).exists() for f in ("model_index.json", "info.json")):
+        raise _missing_error("weight files missing")
+    digest = weights_digest()
+    if digest != recorded_digest():
+        # E.g. git-lfs pointers instead of the files, or a half-finished retrain.
+        raise _missing_error(f"sha256 {digest[:16]} does not match the recorded {recorded_digest()[:16]}")
+    folder = cache_dir() / f"tiny-world-{digest[:12]}"
+    if not (folder / "model_index.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _assemble(WEIGHTS_DIR, tmp)
+        try:
+            tmp.rename(folder)  # atomic: concurrent Ray actors never see half a folder
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process got there first
+    return folder

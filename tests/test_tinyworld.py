@@ -1,0 +1,129 @@
+"""The tiny world: procedural data, the committed pretrained weights, and that they really denoise."""
+import numpy as np
+import pytest
+import torch
+
+from diffrlhf.actors.models import ModelNotFoundError, load_components
+from diffrlhf.learner import tinyworld as tw
+
+
+@pytest.fixture(scope="module")
+def tiny_world_folder(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DIFFRLHF_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield tw.ensure_tiny_world()
+    mp.undo()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_dataset_is_deterministic_from_its_seed():
+    a_img, a_cap, _ = tw.make_dataset(24, seed=3)
+    b_img, b_cap, _ = tw.make_dataset(24, seed=3)
+    c_img, c_cap, _ = tw.make_dataset(24, seed=4)
+    assert np.array_equal(a_img, b_img) and a_cap == b_cap
+    assert not np.array_equal(a_img, c_img) and a_cap != c_cap
+    assert a_img.shape == (24, 64, 64, 3) and a_img.dtype == np.uint8
+
+
+def test_captions_describe_the_rendered_images():
+    imgs, caps, scenes = tw.make_dataset(200, seed=1)
+    for cap, s in zip(caps, scenes):
+        assert s.colour in cap.split()
+        assert (tw.PLURAL[s.shape] if s.count == 2 else s.shape) in cap.split()
+        assert cap.startswith("two ") == (s.count == 2)
+    plain = [(im, s) for im, s in zip(imgs, scenes) if s.background != "gradient"]
+    ok = [tw.colour_check(im, s) for im, s in plain]
+    assert np.mean([fg for fg, _ in ok]) >= 0.95 and all(bg for _, bg in ok)
+    # The check is not vacuous: the same images judged against another colour fail.
+    wrong = [tw.colour_check(im, tw.Scene(**{**s.__dict__, "colour": next(c for c in tw.COLOURS if c not in (s.colour, s.background))}))
+             for im, s in plain]
+    assert np.mean([fg for fg, _ in wrong]) <= 0.05
+
+
+def test_textures_differ_in_jpeg_size():
+    # Room for compressibility rewards: noisy shapes must cost clearly more bytes than plain ones.
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for tex in ("plain", "noisy"):
+        s = tw.Scene("red", "circle", "large", 1, tex, "blue")
+        buf = io.BytesIO()
+        Image.fromarray(tw.render(s, rng)).save(buf, format="JPEG", quality=95)
+        sizes[tex] = buf.tell()
+    assert sizes["noisy"] > 1.3 * sizes["plain"]  # measured: 2010 vs 1393 bytes
+
+
+def test_split_is_disjoint():
+    _, tr_caps, tr = tw.make_dataset(600, seed=0, split="train")
+    _, ho_caps, ho = tw.make_dataset(200, seed=0, split="heldout")
+    assert not any(s.heldout for s in tr) and all(s.heldout for s in ho)
+    assert not set(tr_caps) & set(ho_caps)
+    assert {(s.colour, s.shape) for s in ho} == tw.HELDOUT_PAIRS
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def test_committed_weights_match_recorded_digest():
+    assert tw.weights_digest() == tw.recorded_digest()
+    total = sum(f.stat().st_size for f in tw.WEIGHTS_DIR.rglob("*") if f.is_file())
+    assert total < 5_000_000
+
+
+def test_missing_weights_say_how_to_rebuild(tmp_path, monkeypatch):
+    monkeypatch.setattr(tw, "WEIGHTS_DIR", tmp_path)
+    with pytest.raises(ModelNotFoundError, match="pretrain_tiny"):
+        tw.ensure_tiny_world()
+
+
+def test_corrupted_weights_are_refused(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(tw.WEIGHTS_DIR, tmp_path / "w")
+    f = tmp_path / "w" / "unet" / "weights.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))  # e.g. a git-lfs pointer or a truncated copy
+    monkeypatch.setattr(tw, "WEIGHTS_DIR", tmp_path / "w")
+    monkeypatch.setenv("DIFFRLHF_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotFoundError, match="does not match"):
+        tw.ensure_tiny_world()
+
+
+def test_assembled_folder_loads_with_clip_tokenizer(tiny_world_folder, monkeypatch):
+    monkeypatch.setenv("DIFFRLHF_CACHE", str(tiny_world_folder.parent))
+    comps = load_components("tiny-world")
+    assert comps.source == str(tiny_world_folder)
+    assert comps.tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    assert comps.vae_scale_factor == 8
+    # Assembling twice gives the same folder (no rebuild, no second copy).
+    assert tw.ensure_tiny_world() == tiny_world_folder
+
+
+def test_the_tiny_world_denoises(tiny_world_folder):
+    """The embedded default is a working diffusion model, not a random one: its noise prediction at
+    high noise has std ~1 and is accurate, and sampled latents have the data's latent scale.
+    (A random tiny UNet predicts noise with std ~0.3 and its final latents have std ~14.)
+    Prompt adherence is weak in this version (RESULTS.md: 23% right shape colour), so it is not
+    asserted here."""
+    from diffrlhf.actors.sampler import SamplingSettings, sample_trajectories
+
+    comps = load_components(str(tiny_world_folder))
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(8, 4, 8, 8, generator=g) * 0.5  # a stand-in latent; the check is on the noise part
+    noise = torch.randn(8, 4, 8, 8, generator=g)
+    t = torch.full((8,), 951)
+    xt = comps.scheduler.add_noise(x0, noise, t)
+    emb = comps.encode_prompts(["a red circle"] * 8)
+    with torch.no_grad():
+        eps = comps.unet(xt, t, encoder_hidden_states=emb).sample
+    assert 0.8 < float(eps.std()) < 1.2
+    assert float((eps - noise).pow(2).mean()) < 0.1
+    batch = sample_trajectories(comps, ["a red circle", "two blue squares"] * 2, [0, 1, 2, 3],
+                                SamplingSettings(num_steps=20, eta=1.0, guidance_scale=5.0, resolution=64), 0, [0, 1, 2, 3])
+    assert 0.6 < float(batch.latents[:, -1].std()) < 1.6  # the VAE's latent std on real data is ~1.0
