@@ -159,3 +159,21 @@ def test_dead_learner_stops_with_resumable_checkpoint(tmp_path):
         d.run()
     assert (tmp_path / "run" / "checkpoint" / "state.pt").exists()
     d.shutdown()
+
+
+def hanging_sampler():
+    class HangingSampler(SamplerWorker):
+        def sample(self, plan, weights):
+            import time
+
+            time.sleep(3600)
+
+    return HangingSampler
+
+
+def test_a_stalled_role_is_reported_not_waited_on_forever(tmp_path):
+    cfg = cfg_with("train.epochs=1", "system.idle_timeout_s=8", "system.num_samplers=1")
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"sampler": hanging_sampler()})
+    with pytest.raises(RunFailed, match=r"nothing finished for 8s.*waiting on: sample of epoch 0 batch 0"):
+        d.run()
+    d.shutdown()
