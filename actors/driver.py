@@ -108,7 +108,7 @@ class Driver:
         # Fail early and clearly if a role cannot even start (bad weights, missing packages).
         for name, actor in [("learner", self.learner), ("buffer", self.buffer)] + [(f"sampler-{i}", a) for i, a in enumerate(self.samplers)] + [(f"reward-{i}", a) for i, a in enumerate(self.rewards)]:
             try:
-                ray.get(actor.ping.remote(), timeout=s.idle_timeout_s)
+                ray.get(actor.ping.remote(), timeout=s.start_timeout_s)
             except Exception as e:
                 raise RunFailed(f"the {name} actor failed to start: {_short(e)}") from None
 

@@ -118,13 +118,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_clip_tokenizer(folder: Path) -> Path:
+def write_clip_tokenizer(folder: Path, bpe_path: str | Path | None = None) -> Path:
     """Write OpenAI CLIP's real tokenizer (vocab.json, merges.txt) in transformers' format.
 
     Built from the BPE file exactly as CLIP's SimpleTokenizer does, so ids match OpenAI CLIP's.
     """
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    merges = gzip.open(_clip_bpe_path()).read().decode("utf-8").split("\n")
+    merges = gzip.open(bpe_path or _clip_bpe_path()).read().decode("utf-8").split("\n")
     merges = [tuple(m.split()) for m in merges[1 : 49152 - 256 - 2 + 1]]
     vocab = list(_bytes_to_unicode().values())
     vocab = vocab + [v + "</w>" for v in vocab]

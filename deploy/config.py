@@ -107,7 +107,8 @@ class SystemConfig:
     learner_cpus: float = 1.0
     max_policy_lag: int = 1  # 0 = synchronous DDPO schedule
     max_inflight_per_sampler: int = 1
-    idle_timeout_s: float = 600.0
+    idle_timeout_s: float = 600.0  # nothing finished for this long: the run stops, saying what it waits on
+    start_timeout_s: float = 900.0  # an actor that has not started (model loaded) by then is an error
     max_actor_restarts: int = 3  # Ray restarts of a dead sampler or reward actor
     max_batch_retries: int = 2  # re-runs of a batch whose sampler/reward actor died; then it is dropped (counted)
     use_role_resources: bool = False  # ask custom resources "sampler"/"reward"/"learner" (cluster worker groups)
@@ -186,6 +187,7 @@ _RANGES = {
     "system.max_policy_lag": (lambda v: v >= 0, ">= 0"),
     "system.max_inflight_per_sampler": (lambda v: v >= 1, ">= 1"),
     "system.idle_timeout_s": (lambda v: v > 0, "> 0"),
+    "system.start_timeout_s": (lambda v: v > 0, "> 0"),
     "system.torch_threads": (lambda v: v >= 1, ">= 1"),
     "system.max_actor_restarts": (lambda v: v >= 0, ">= 0"),
     "system.max_batch_retries": (lambda v: v >= 0, ">= 0"),

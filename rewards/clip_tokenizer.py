@@ -11,10 +11,8 @@ with EOT forced into the last slot, padded with 0.
 
 from __future__ import annotations
 
-import gzip
 import html
 import importlib.util
-import json
 import os
 import re
 import tempfile
@@ -24,19 +22,6 @@ import torch
 
 SOT, EOT = 49406, 49407
 CONTEXT_LENGTH = 77
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2/CLIP reversible byte -> printable unicode map (order defines the first 256 ids).
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def default_bpe_path() -> str:
@@ -54,16 +39,10 @@ def default_bpe_path() -> str:
 def load_clip_tokenizer(bpe_path: str | None = None):
     from transformers import CLIPTokenizer
 
-    with gzip.open(bpe_path or default_bpe_path()) as f:
-        lines = f.read().decode("utf-8").split("\n")
-    merges = [tuple(m.split()) for m in lines[1 : 49152 - 256 - 2 + 1]]
-    vocab = list(_bytes_to_unicode().values())
-    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    from diffrlhf.actors.models import write_clip_tokenizer  # one builder of the CLIP vocabulary
+
     with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
-            json.dump({t: i for i, t in enumerate(vocab)}, f, ensure_ascii=False)
-        with open(os.path.join(d, "merges.txt"), "w", encoding="utf-8") as f:
-            f.write("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+        write_clip_tokenizer(d, bpe_path or default_bpe_path())
         # A huge model_max_length: we truncate ourselves (open_clip style), so no length warning.
         return CLIPTokenizer.from_pretrained(d, model_max_length=10**9)
 

@@ -1,5 +1,4 @@
 """Sampling, recomputation, the update's direction, LoRA export, on the tiny random model."""
-import pytest
 import torch
 
 from diffrlhf.actors.sampler import sample_trajectories

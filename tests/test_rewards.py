@@ -2,7 +2,6 @@
 handling (custom callables, weighted sums, runtime envs) and the missing-weights error."""
 
 import io
-import json
 import sys
 import textwrap
 from pathlib import Path

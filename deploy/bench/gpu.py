@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
 
