@@ -316,6 +316,15 @@ def scale(overrides, calib: dict, samplers, rewards, epochs: int, batches: int, 
     return out
 
 
+def _finish(plt, fig, ax, title: str, path: Path) -> None:
+    """Title, legend and save: the same ending for every figure of this benchmark."""
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def plot_scale(res: dict, path: Path) -> None:
     plt = pyplot()
     sweeps = res["sweeps"]
@@ -422,11 +431,7 @@ def plot_broadcast(res: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("actors holding the weights")
     ax.set_ylabel("ms until all hold the new version (median)")
-    ax.set_title("LoRA weight broadcast through Ray's object store (one node)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _finish(plt, fig, ax, "LoRA weight broadcast through Ray's object store (one node)", path)
 
 
 def plot_overlap(res: dict, path: Path) -> None:
@@ -441,11 +446,7 @@ def plot_overlap(res: dict, path: Path) -> None:
     ax.set_xticks(np.arange(len(lags)) + width * len(stages) / 2)
     ax.set_xticklabels([f"max_policy_lag={k[3:]}" for k in lags])
     ax.set_ylabel("seconds per epoch")
-    ax.set_title("stage busy time per epoch vs epoch wall time", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _finish(plt, fig, ax, "stage busy time per epoch vs epoch wall time", path)
 
 
 # ----------------------------------------------------------------------------- command line
