@@ -16,7 +16,6 @@ there is no silent fallback to the tiny model.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -306,11 +305,3 @@ def load_components(spec: str, device: str | torch.device = "cpu", dtype: torch.
         m.eval()
         m.to(device)
     return SDComponents(unet, vae, text_encoder, tokenizer, scheduler, str(folder))
-
-
-def folder_digest(folder: Path) -> str:
-    """A short content hash of a model folder's weights (for run metadata and reproducibility checks)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).rglob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
