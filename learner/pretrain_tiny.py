@@ -3,10 +3,12 @@
     python -m diffrlhf.learner.pretrain_tiny --out learner/tiny_world        # train + write weights
     python -m diffrlhf.learner.pretrain_tiny --eval-only --results deploy/results/tinyworld
 
-Deterministic for a seed on a given torch build and thread count (2 threads). The text encoder
-stays at its seeded random init, frozen (SD's is frozen pretrained CLIP); its token embedding is
-stored as int8 + one scale, and we train against exactly those dequantised values, so the stored
-model is the trained model. UNet and VAE are trained in fp32 and stored in fp16.
+Three stages, deterministic for a seed on a given torch build and thread count (2 threads):
+the VAE; the text encoder's two transformer layers (to carry each caption's attributes into its
+end-of-text and padding tokens, as a pretrained CLIP does; then frozen, like SD's); the UNet on
+the VAE's latents. The text encoder's token embedding stays at its seeded random init and is
+stored as int8 + one scale (we train against exactly those dequantised values). Everything else
+is trained in fp32 and stored in fp16.
 """
 from __future__ import annotations
 
@@ -40,23 +42,35 @@ def quantise_text_encoder_(text_encoder) -> None:
                 p.copy_(p.half().float())
 
 
-def train_vae(vae, images: np.ndarray, steps: int, batch: int, seed: int, kl_weight: float = 1e-4):
-    """Reconstruction L1 + L2 plus a small KL, on random 32 px crops (4x cheaper; the VAE is convolutional)."""
+def train_vae(vae, images: np.ndarray, masks: np.ndarray, steps: int, batch: int, seed: int,
+              kl_weight: float = 1e-4, shape_weight: float = 2.0):
+    """Reconstruction L1 + L2 plus a small KL, on random 32 px crops (4x cheaper; the VAE is convolutional).
+
+    Pixels of the shapes count (1 + shape_weight) times: they are a small part of most images but
+    all of what the captions are about, and a plain loss lets the VAE blur their colour away.
+    """
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     data = torch.from_numpy(images).permute(0, 3, 1, 2)  # uint8, converted per batch
+    mdata = torch.from_numpy(masks)[:, None]
     vae.train()
     bar = tqdm(range(steps), desc="vae", mininterval=5)
     for step in bar:
         idx = torch.randint(len(data), (batch,), generator=g)
-        crop = 32 if step < int(0.8 * steps) else 64  # finish at full size so the mid-block sees 8x8
+        # Finish at full size (40% of the steps): the mid-block's attention then sees all 8x8
+        # latents, which is where the shapes' colours came right in our runs.
+        crop = 32 if step < int(0.6 * steps) else 64
+        if crop == 64:
+            idx = idx[: batch // 4]  # same pixels per step
         y0, x0 = torch.randint(0, 64 - crop + 1, (2,), generator=g).tolist()
         x = data[idx, :, y0 : y0 + crop, x0 : x0 + crop].float() / 127.5 - 1
+        w = 1 + shape_weight * mdata[idx, :, y0 : y0 + crop, x0 : x0 + crop].float() / 255
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(generator=g)).sample
         kl = post.kl().mean() / post.mean[0].numel()  # per latent element
-        loss = (rec - x).abs().mean() + (rec - x).pow(2).mean() + kl_weight * kl
+        err = rec - x
+        loss = ((err.abs() + err.pow(2)) * w).mean() / w.mean() + kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -78,39 +92,110 @@ def encode_dataset(vae, images: np.ndarray, bs: int = 256):
     return torch.cat(means), torch.cat(stds)
 
 
-@torch.no_grad()
-def encode_captions(tokenizer, text_encoder, captions: list[str]) -> tuple[torch.Tensor, list[int]]:
-    """Embeddings of the unique captions and each caption's index into them."""
+CAPTION_ATTRIBUTES = {  # what the text encoder is pretrained to read out of a caption ("-": not said)
+    "colour": tw.COLOURS,
+    "shape": tw.SHAPES,
+    "count": ["1", "2"],
+    "size": ["-"] + tw.SIZES,
+    "texture": ["-"] + [t for t in tw.TEXTURES if t != "plain"],
+    "background": ["-"] + tw.BACKGROUNDS,
+}
+
+
+def caption_attributes(caption: str) -> dict[str, int]:
+    """Class index of each attribute that a tiny-world caption states (see Scene.caption)."""
+    words = caption.split()
+    head, _, bg = caption.partition(" on a")
+    hw = head.split()
+    plural = {v: k for k, v in tw.PLURAL.items()}
+    shape = next(plural.get(w, w) for w in hw if plural.get(w, w) in tw.SHAPES)
+    found = dict(
+        colour=next(w for w in hw if w in tw.COLOURS), shape=shape, count="2" if words[0] == "two" else "1",
+        size=next((w for w in hw if w in tw.SIZES), "-"), texture=next((w for w in hw if w in tw.TEXTURES), "-"),
+        background=bg.split()[-2] if bg else "-",
+    )
+    return {k: CAPTION_ATTRIBUTES[k].index(v) for k, v in found.items()}
+
+
+def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, captions: list[str], steps: int, seed: int, batch: int = 256):
+    """Teach the text encoder's transformer layers to carry the caption into every token after it.
+
+    SD1.5's CLIP text encoder arrives pretrained, and its end-of-text/padding tokens summarise the
+    whole prompt; a random one's do not, and a UNet that must find the one colour word among 77
+    tokens learned no conditioning in 1300 steps here. So, before the UNet, linear probes on every
+    position from the end-of-text token on are trained to read the caption's attributes (colour,
+    shape, count, size, texture, background); the probes are then thrown away and the encoder is
+    frozen. The token embedding stays frozen (it is stored as int8).
+    """
+    uniq = sorted(set(captions))
+    ids = cap_ids[: len(uniq)]  # tokenize_captions' rows: the sorted unique captions, then ""
+    labels = torch.tensor([[caption_attributes(c)[k] for k in CAPTION_ATTRIBUTES] for c in uniq])
+    eot = ids.argmax(-1)  # CLIP's end-of-text id 49407 is the largest
+    after_eot = torch.arange(ids.shape[1])[None, :] >= eot[:, None]
+    torch.manual_seed(seed)
+    width = text_encoder.config.hidden_size
+    heads = torch.nn.ModuleList(torch.nn.Linear(width, len(v)) for v in CAPTION_ATTRIBUTES.values())
+    layers = [p for n, p in text_encoder.named_parameters() if "token_embedding" not in n]
+    text_encoder.requires_grad_(False)
+    for p in layers:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(layers + list(heads.parameters()), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    text_encoder.train()
+    bar = tqdm(range(steps), desc="text", mininterval=5)
+    for step in bar:
+        idx = torch.randint(len(uniq), (batch,), generator=g)
+        h = text_encoder(ids[idx])[0]  # [B, 77, width]
+        mask = after_eot[idx]
+        loss = sum(torch.nn.functional.cross_entropy(head(h[mask]), labels[idx][:, i, None].expand(-1, h.shape[1])[mask])
+                   for i, head in enumerate(heads)) / len(heads)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    text_encoder.requires_grad_(False).eval()
+    return float(loss.detach())
+
+
+def tokenize_captions(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [U + 1, 77] of the unique captions plus "" (last row), and each caption's row."""
     uniq = sorted(set(captions))
     pos = {c: i for i, c in enumerate(uniq)}
-    embs = []
-    for i in range(0, len(uniq), 256):
-        ids = tokenizer(uniq[i : i + 256], padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
-        embs.append(text_encoder(ids)[0])
-    return torch.cat(embs), [pos[c] for c in captions]
+    ids = tokenizer(uniq + [""], padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    return ids, torch.tensor([pos[c] for c in captions])
 
 
-def train_unet(unet, lat_mean, lat_std, scaling, cap_embs, cap_idx, empty_emb, steps, batch, seed, p_uncond=0.1):
-    """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance."""
+@torch.no_grad()
+def embed_captions(text_encoder, cap_ids: torch.Tensor, bs: int = 512) -> torch.Tensor:
+    """The frozen text encoder's output for every row of cap_ids (computed once, not per step)."""
+    return torch.cat([text_encoder(cap_ids[i : i + bs])[0] for i in range(0, len(cap_ids), bs)])
+
+
+def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch, seed, p_uncond=0.1):
+    """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance.
+
+    cap_embs: the frozen text encoder's output per unique caption, "" last (embed_captions).
+    """
     from diffusers import DDPMScheduler
 
     # Same betas as the DDIM sampler (DDPM has no set_alpha_to_one/steps_offset; they only affect sampling).
     cfg = {k: v for k, v in SD15_SCHEDULER_CONFIG.items() if k not in ("set_alpha_to_one", "steps_offset")}
     noise_sched = DDPMScheduler(**cfg)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(unet.parameters(), lr=2e-3, weight_decay=0.0)
+    params = list(unet.parameters())
+    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     # An EMA of the weights samples much better than the last iterate after a short noisy run.
-    ema = [p.detach().clone() for p in unet.parameters()]
-    cap_idx = torch.tensor(cap_idx)
+    ema = [p.detach().clone() for p in params]
+    empty_row = torch.tensor(len(cap_embs) - 1)
     unet.train()
     bar = tqdm(range(steps), desc="unet", mininterval=5)
     for step in bar:
         idx = torch.randint(len(lat_mean), (batch,), generator=g)
         z0 = (lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=g)) * scaling
-        emb = cap_embs[cap_idx[idx]]
         drop = torch.rand(batch, generator=g) < p_uncond
-        emb = torch.where(drop[:, None, None], empty_emb, emb)
+        emb = cap_embs[torch.where(drop, empty_row, cap_idx[idx])]
         noise = torch.randn(z0.shape, generator=g)
         t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,), generator=g)
         zt = noise_sched.add_noise(z0, noise, t)
@@ -121,12 +206,12 @@ def train_unet(unet, lat_mean, lat_std, scaling, cap_embs, cap_idx, empty_emb, s
         sched.step()
         decay = min(0.995, (1 + step) / (10 + step))
         with torch.no_grad():
-            for e, p in zip(ema, unet.parameters()):
+            for e, p in zip(ema, params):
                 e.lerp_(p, 1 - decay)
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
     with torch.no_grad():
-        for e, p in zip(ema, unet.parameters()):
+        for e, p in zip(ema, params):
             p.copy_(e)
     unet.eval()
 
@@ -154,17 +239,17 @@ def write_compact(full: Path, out: Path) -> None:
     shutil.copy(full / "model_index.json", out / "model_index.json")
 
 
-def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: int) -> dict:
+def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: int, text_steps: int = 200) -> dict:
     torch.manual_seed(seed)
     t0 = time.time()
-    images, captions, _ = tw.make_dataset(n_images, seed=seed, split="train")
+    images, captions, _, masks = tw.make_dataset(n_images, seed=seed, split="train", return_masks=True)
     t_data = time.time() - t0
     unet, vae, text_encoder, scheduler = build_tiny_components(seed, SIZE)
     quantise_text_encoder_(text_encoder)
     text_encoder.requires_grad_(False).eval()
 
     t1 = time.time()
-    train_vae(vae, images, vae_steps, batch=32, seed=seed + 10)
+    train_vae(vae, images, masks, vae_steps, batch=64, seed=seed + 10)
     t_vae = time.time() - t1
     lat_mean, lat_std = encode_dataset(vae, images)
     g = torch.Generator().manual_seed(seed + 11)
@@ -177,19 +262,24 @@ def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: in
 
     tmp_tok = Path(tempfile.mkdtemp())
     tokenizer = load_tokenizer(write_clip_tokenizer(tmp_tok / "tokenizer"))
-    cap_embs, cap_idx = encode_captions(tokenizer, text_encoder, captions)
-    empty_emb, _ = encode_captions(tokenizer, text_encoder, [""])
+    cap_ids, cap_idx = tokenize_captions(tokenizer, captions)
     t2 = time.time()
-    train_unet(unet, lat_mean, lat_std, scaling, cap_embs, cap_idx, empty_emb, unet_steps, batch=64, seed=seed + 20)
-    t_unet = time.time() - t2
+    text_loss = pretrain_text_encoder(text_encoder, cap_ids, captions, text_steps, seed=seed + 30)
+    t_text = time.time() - t2
+    quantise_text_encoder_(text_encoder)  # the UNet learns on exactly the stored (fp16) text encoder
+    t3 = time.time()
+    cap_embs = embed_captions(text_encoder, cap_ids)
+    train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, unet_steps, batch=64, seed=seed + 20)
+    t_unet = time.time() - t3
 
     full = tmp_tok / "full"
     save_components_folder(full, unet, vae, text_encoder, scheduler)
     write_compact(full, out)
     shutil.rmtree(tmp_tok, ignore_errors=True)
     info = dict(
-        seed=seed, n_images=n_images, vae_steps=vae_steps, unet_steps=unet_steps, size=str(SIZE),
-        vae_scaling_factor=scaling, seconds=dict(data=t_data, vae=t_vae, unet=t_unet, total=time.time() - t0),
+        seed=seed, n_images=n_images, vae_steps=vae_steps, text_steps=text_steps, unet_steps=unet_steps, size=str(SIZE),
+        vae_scaling_factor=scaling, text_probe_loss=text_loss,
+        seconds=dict(data=t_data, vae=t_vae, text=t_text, unet=t_unet, total=time.time() - t0),
         torch=torch.__version__, threads=torch.get_num_threads(), sha256=tw.weights_digest(out),
         date=time.strftime("%Y-%m-%d"),
     )
@@ -266,6 +356,15 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
         stats[f"{split}_background_colour_ok"] = float(bg)
         save_grid(imgs[:32], prompts[:32], results / f"samples_{split}.png",
                   title=f"tiny-world, {split} captions, DDIM 20 steps, eta 1, CFG 5 (shape colour ok {fg:.0%})")
+    # The autoencoder's ceiling: the same check on VAE reconstructions of real held-out images.
+    scenes = tw.eval_scenes("heldout", n_check)
+    real = np.stack([tw.render(sc, np.random.default_rng(i)) for i, sc in enumerate(scenes)])
+    x = torch.from_numpy(real).permute(0, 3, 1, 2).float() / 127.5 - 1
+    rec = pipe.vae.decode(pipe.vae.encode(x).latent_dist.mean).sample
+    rec = ((rec.clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1).numpy().astype(np.uint8)
+    fg, bg = np.mean([tw.colour_check(im, sc) for im, sc in zip(rec, scenes)], axis=0)
+    stats["heldout_vae_reconstruction_shape_colour_ok"] = float(fg)
+    stats["heldout_vae_reconstruction_background_colour_ok"] = float(bg)
     # Real data for reference.
     real, real_caps, _ = tw.make_dataset(32, seed=seed + 5, split="heldout")
     save_grid(real, real_caps, results / "real_heldout.png", title="real held-out images (not trained on)")
@@ -333,14 +432,15 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=tw.WEIGHTS_DIR, help="where to write the compact weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--images", type=int, default=10000)
-    ap.add_argument("--vae-steps", type=int, default=400)
-    ap.add_argument("--unet-steps", type=int, default=900)
+    ap.add_argument("--vae-steps", type=int, default=1000)
+    ap.add_argument("--text-steps", type=int, default=200)
+    ap.add_argument("--unet-steps", type=int, default=1500)
     ap.add_argument("--results", type=Path, default=None, help="also evaluate and write pictures/stats here")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the committed weights (ensure_tiny_world)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     if not args.eval_only:
-        info = pretrain(args.out, args.seed, args.images, args.vae_steps, args.unet_steps)
+        info = pretrain(args.out, args.seed, args.images, args.vae_steps, args.unet_steps, args.text_steps)
         print(json.dumps(info, indent=2))
         print(f"wrote {args.out} (sha256 {info['sha256'][:16]}, recorded in info.json)")
     if args.results or args.eval_only:

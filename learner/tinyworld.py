@@ -121,10 +121,12 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[flo
 def _shape_mask(scene: Scene, rng: np.random.Generator) -> np.ndarray:
     """Float mask in [0, 1], antialiased by drawing at 4x and averaging down."""
     ss = 4
+    # Radii in px: even a small shape spans 2-3 cells of the 8x8 latent grid (a cell is 8 px), so
+    # its colour survives the autoencoder.
     if scene.size == "large":
-        r = rng.uniform(16, 21) if scene.count == 1 else rng.uniform(12, 13)
+        r = rng.uniform(17, 21) if scene.count == 1 else rng.uniform(13, 14)
     else:
-        r = rng.uniform(8, 10) if scene.count == 1 else rng.uniform(7, 8)
+        r = rng.uniform(10, 12) if scene.count == 1 else rng.uniform(9, 10)
     # Centres: one anywhere it fits; two side by side (left/right or top/bottom) so they don't overlap.
     if scene.count == 1:
         centres = [tuple(rng.uniform(r + 1, RES - r - 1, size=2))]
@@ -154,9 +156,10 @@ def _shape_mask(scene: Scene, rng: np.random.Generator) -> np.ndarray:
 def _texture(scene: Scene, rng: np.random.Generator) -> np.ndarray:
     """The shape's fill [H, W, 3] in 0..255: its colour, alternated with a darker shade or noised."""
     c = np.array(PALETTE[scene.colour], dtype=np.float32)
-    # The second tone is a darker (or, for black, lighter) shade of the same colour, so the
-    # dominant colour stays the named one whatever the texture.
-    shade = c * 0.55 if scene.colour != "black" else c + 70
+    # The second tone is a darker (or, for black, lighter) shade of the same colour, close enough
+    # that the texture's average (what an 8x-downsampling VAE keeps of a fine pattern) is still
+    # nearest to the named palette colour.
+    shade = c * 0.75 if scene.colour != "black" else c + 45
     yy, xx = np.mgrid[0:RES, 0:RES]
     if scene.texture == "plain":
         sel = np.zeros((RES, RES), bool)
@@ -185,29 +188,37 @@ def _background(scene: Scene, rng: np.random.Generator) -> np.ndarray:
     return c0 * (1 - t) + c1 * t
 
 
-def render(scene: Scene, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [64, 64, 3] image of the scene; placement and texture phases come from rng."""
-    mask = _shape_mask(scene, rng)[..., None]
-    img = _background(scene, rng) * (1 - mask) + _texture(scene, rng) * mask
-    return np.clip(img + 0.5, 0, 255).astype(np.uint8)
+def render(scene: Scene, rng: np.random.Generator, with_mask: bool = False):
+    """uint8 [64, 64, 3] image of the scene (and, if with_mask, its float shape mask [64, 64]).
+
+    Placement and texture phases come from rng.
+    """
+    mask = _shape_mask(scene, rng)
+    img = _background(scene, rng) * (1 - mask[..., None]) + _texture(scene, rng) * mask[..., None]
+    img = np.clip(img + 0.5, 0, 255).astype(np.uint8)
+    return (img, mask) if with_mask else img
 
 
-def make_dataset(n: int, seed: int = 0, split: str = "train", p_mention: float = 0.7):
-    """n (image, caption, scene) triples, deterministic for (n, seed, split).
+def make_dataset(n: int, seed: int = 0, split: str = "train", p_mention: float = 0.7, return_masks: bool = False):
+    """n (image, caption, scene) triples, deterministic for (n, seed, split); with return_masks
+    also the shape masks as uint8 [n, 64, 64] (255 = shape), which pretraining uses to weight
+    the VAE's loss towards the shapes.
 
     Colour and shape are always named; size, texture and background each with probability
     p_mention, so short prompts ("a red circle") are in-distribution too.
     """
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     images = np.empty((n, RES, RES, 3), np.uint8)
+    masks = np.empty((n, RES, RES), np.uint8)
     captions, scenes = [], []
     for i in range(n):
         s = random_scene(rng, split)
         m = rng.random(3) < p_mention
         captions.append(s.caption(*m))
         scenes.append(s)
-        images[i] = render(s, rng)
-    return images, captions, scenes
+        images[i], mask = render(s, rng, with_mask=True)
+        masks[i] = np.round(mask * 255).astype(np.uint8)
+    return (images, captions, scenes, masks) if return_masks else (images, captions, scenes)
 
 
 def captions(split: str = "train") -> list[str]:
@@ -294,7 +305,7 @@ def _missing_error(why: str):
 
     return ModelNotFoundError(
         f"the tiny-world weights are not usable ({why}; looked in {WEIGHTS_DIR}). Rebuild them "
-        f"(about 15 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
+        f"(about 17 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
         "or restore learner/tiny_world/ from git."
     )
 

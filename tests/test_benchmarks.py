@@ -144,3 +144,17 @@ def test_gpu_bench_tiny_on_cpu(tmp_path):
         assert r["sampling"][0]["images_per_s"] > 0 and r["update"][0]["images_per_s"] > 0
     calib = json.loads((tmp_path / "calib_float32.json").read_text())
     assert calib["shapes"]["images"] == [32, 32, 3] and calib["update_s_per_sample"] > 0
+
+
+def test_study_does_not_reuse_runs_made_on_other_tiny_world_weights(monkeypatch, tmp_path):
+    """Retraining the tiny world keeps its name; saved runs on the old weights must be refused."""
+    from diffrlhf.deploy.bench import study
+    from diffrlhf.learner import tinyworld
+
+    cfg = study.make_config("full", "jpeg_compressibility", 2, [])
+    saved = {"config": study.identity(cfg)}
+    assert saved["config"]["model"]["weights_sha256"] == tinyworld.recorded_digest()[:16]
+    study.check_reusable(tmp_path / "run.json", saved, cfg)  # same weights: reusable
+    monkeypatch.setattr(tinyworld, "recorded_digest", lambda folder=None: "f" * 64)
+    with pytest.raises(SystemExit, match="weights_sha256"):
+        study.check_reusable(tmp_path / "run.json", saved, cfg)

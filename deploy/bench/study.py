@@ -120,6 +120,11 @@ def identity(cfg) -> dict:
     """What must match for a saved run to be reused (everything but the seed and output names)."""
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("seed", "out_dir", "name")}
+    if d["model"]["name"] == "tiny-world":
+        # The name stays when the committed weights are retrained; runs on other weights don't mix.
+        from diffrlhf.learner.tinyworld import recorded_digest
+
+        d["model"]["weights_sha256"] = recorded_digest()[:16]
     return d
 
 
