@@ -42,6 +42,11 @@ def quantise_text_encoder_(text_encoder) -> None:
                 p.copy_(p.half().float())
 
 
+def to_vae_input(images) -> torch.Tensor:
+    """uint8 images [B, H, W, 3] (numpy or torch) -> float [B, 3, H, W] in the VAE's range [-1, 1]."""
+    return torch.as_tensor(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
 def train_vae(vae, images: np.ndarray, masks: np.ndarray, steps: int, batch: int, seed: int,
               kl_weight: float = 1e-4, shape_weight: float = 2.0):
     """Reconstruction L1 + L2 plus a small KL, on random 32 px crops (4x cheaper; the VAE is convolutional).
@@ -52,8 +57,8 @@ def train_vae(vae, images: np.ndarray, masks: np.ndarray, steps: int, batch: int
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    data = torch.from_numpy(images).permute(0, 3, 1, 2)  # uint8, converted per batch
-    mdata = torch.from_numpy(masks)[:, None]
+    data = torch.from_numpy(images)  # uint8 [N, H, W, 3], converted per batch
+    mdata = torch.from_numpy(masks)
     vae.train()
     bar = tqdm(range(steps), desc="vae", mininterval=5)
     for step in bar:
@@ -64,8 +69,8 @@ def train_vae(vae, images: np.ndarray, masks: np.ndarray, steps: int, batch: int
         if crop == 64:
             idx = idx[: batch // 4]  # same pixels per step
         y0, x0 = torch.randint(0, 64 - crop + 1, (2,), generator=g).tolist()
-        x = data[idx, :, y0 : y0 + crop, x0 : x0 + crop].float() / 127.5 - 1
-        w = 1 + shape_weight * mdata[idx, :, y0 : y0 + crop, x0 : x0 + crop].float() / 255
+        x = to_vae_input(data[idx, y0 : y0 + crop, x0 : x0 + crop])
+        w = 1 + shape_weight * mdata[idx, None, y0 : y0 + crop, x0 : x0 + crop].float() / 255
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(generator=g)).sample
         kl = post.kl().mean() / post.mean[0].numel()  # per latent element
@@ -85,8 +90,7 @@ def encode_dataset(vae, images: np.ndarray, bs: int = 256):
     """Posterior mean and std of every image (unscaled), to sample latents cheaply during UNet training."""
     means, stds = [], []
     for i in range(0, len(images), bs):
-        x = torch.from_numpy(images[i : i + bs]).permute(0, 3, 1, 2).float() / 127.5 - 1
-        post = vae.encode(x).latent_dist
+        post = vae.encode(to_vae_input(images[i : i + bs])).latent_dist
         means.append(post.mean)
         stds.append(post.std)
     return torch.cat(means), torch.cat(stds)
@@ -117,7 +121,7 @@ def caption_attributes(caption: str) -> dict[str, int]:
     return {k: CAPTION_ATTRIBUTES[k].index(v) for k, v in found.items()}
 
 
-def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, captions: list[str], steps: int, seed: int, batch: int = 256):
+def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, uniq: list[str], steps: int, seed: int, batch: int = 256):
     """Teach the text encoder's transformer layers to carry the caption into every token after it.
 
     SD1.5's CLIP text encoder arrives pretrained, and its end-of-text/padding tokens summarise the
@@ -127,8 +131,7 @@ def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, captions: list[st
     shape, count, size, texture, background); the probes are then thrown away and the encoder is
     frozen. The token embedding stays frozen (it is stored as int8).
     """
-    uniq = sorted(set(captions))
-    ids = cap_ids[: len(uniq)]  # tokenize_captions' rows: the sorted unique captions, then ""
+    ids = cap_ids[: len(uniq)]  # tokenize_captions' rows: the unique captions, then "" (not trained on)
     labels = torch.tensor([[caption_attributes(c)[k] for k in CAPTION_ATTRIBUTES] for c in uniq])
     eot = ids.argmax(-1)  # CLIP's end-of-text id 49407 is the largest
     after_eot = torch.arange(ids.shape[1])[None, :] >= eot[:, None]
@@ -147,8 +150,8 @@ def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, captions: list[st
         idx = torch.randint(len(uniq), (batch,), generator=g)
         h = text_encoder(ids[idx])[0]  # [B, 77, width]
         mask = after_eot[idx]
-        loss = sum(torch.nn.functional.cross_entropy(head(h[mask]), labels[idx][:, i, None].expand(-1, h.shape[1])[mask])
-                   for i, head in enumerate(heads)) / len(heads)
+        target = labels[idx][:, None, :].expand(-1, h.shape[1], -1)[mask]  # [tokens, attributes]
+        loss = sum(torch.nn.functional.cross_entropy(head(h[mask]), target[:, i]) for i, head in enumerate(heads)) / len(heads)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -158,12 +161,13 @@ def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, captions: list[st
     return float(loss.detach())
 
 
-def tokenize_captions(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [U + 1, 77] of the unique captions plus "" (last row), and each caption's row."""
+def tokenize_captions(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Token ids [U + 1, 77] of the U unique captions plus "" (last row), each caption's row, and
+    the unique captions (sorted)."""
     uniq = sorted(set(captions))
     pos = {c: i for i, c in enumerate(uniq)}
     ids = tokenizer(uniq + [""], padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
-    return ids, torch.tensor([pos[c] for c in captions])
+    return ids, torch.tensor([pos[c] for c in captions]), uniq
 
 
 @torch.no_grad()
@@ -262,9 +266,9 @@ def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: in
 
     tmp_tok = Path(tempfile.mkdtemp())
     tokenizer = load_tokenizer(write_clip_tokenizer(tmp_tok / "tokenizer"))
-    cap_ids, cap_idx = tokenize_captions(tokenizer, captions)
+    cap_ids, cap_idx, uniq = tokenize_captions(tokenizer, captions)
     t2 = time.time()
-    text_loss = pretrain_text_encoder(text_encoder, cap_ids, captions, text_steps, seed=seed + 30)
+    text_loss = pretrain_text_encoder(text_encoder, cap_ids, uniq, text_steps, seed=seed + 30)
     t_text = time.time() - t2
     quantise_text_encoder_(text_encoder)  # the UNet learns on exactly the stored (fp16) text encoder
     t3 = time.time()
@@ -359,9 +363,8 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
     # The autoencoder's ceiling: the same check on VAE reconstructions of real held-out images.
     scenes = tw.eval_scenes("heldout", n_check)
     real = np.stack([tw.render(sc, np.random.default_rng(i)) for i, sc in enumerate(scenes)])
-    x = torch.from_numpy(real).permute(0, 3, 1, 2).float() / 127.5 - 1
-    rec = pipe.vae.decode(pipe.vae.encode(x).latent_dist.mean).sample
-    rec = ((rec.clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1).numpy().astype(np.uint8)
+    rec = pipe.vae.decode(pipe.vae.encode(to_vae_input(real)).latent_dist.mean).sample
+    rec = (pipe.image_processor.postprocess(rec, output_type="np") * 255).round().astype(np.uint8)
     fg, bg = np.mean([tw.colour_check(im, sc) for im, sc in zip(rec, scenes)], axis=0)
     stats["heldout_vae_reconstruction_shape_colour_ok"] = float(fg)
     stats["heldout_vae_reconstruction_background_colour_ok"] = float(bg)
@@ -371,8 +374,7 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
 
     # 2. Latent statistics: sampled vs real.
     real, _, _ = tw.make_dataset(256, seed=seed + 6, split="train")
-    x = torch.from_numpy(real).permute(0, 3, 1, 2).float() / 127.5 - 1
-    z_real = pipe.vae.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(0)) * pipe.vae.config.scaling_factor
+    z_real = pipe.vae.encode(to_vae_input(real)).latent_dist.sample(generator=torch.Generator().manual_seed(0)) * pipe.vae.config.scaling_factor
     scenes = tw.eval_scenes("train", 64, seed=77)
     prompts = [s.caption() for s in scenes]
     _, traj = sample(pipe, prompts, seed + 2000, record=True)
