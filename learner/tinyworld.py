@@ -261,14 +261,44 @@ def palette_classes(img: np.ndarray, max_dist: float = 80.0) -> np.ndarray:
     return cls
 
 
-def colour_check(img: np.ndarray, scene: Scene) -> tuple[bool, bool]:
+def _hue_degrees(rgb: np.ndarray) -> np.ndarray:
+    """Hue in degrees [0, 360) of float RGB [..., 3] (the HSV hue; 0 where the pixel is grey)."""
+    r, g, b = np.moveaxis(rgb, -1, 0)
+    mx, mn = rgb.max(-1), rgb.min(-1)
+    c = np.where(mx > mn, mx - mn, 1.0)
+    h = np.where(mx == r, ((g - b) / c) % 6, np.where(mx == g, (b - r) / c + 2, (r - g) / c + 4))
+    return np.where(mx > mn, h * 60.0, 0.0)
+
+
+_CHROMATIC = [c for c in COLOURS if c not in ("white", "black")]
+_PALETTE_HUES = _hue_degrees(np.array([PALETTE[c] for c in _CHROMATIC], np.float32) / 255.0)
+
+
+def colour_name_classes(img: np.ndarray, min_chroma: float = 0.2) -> np.ndarray:
+    """Per-pixel index (into COLOURS) of the colour a person would name, ignoring brightness.
+
+    Pixels with chroma (max - min of RGB in 0..1) below min_chroma are white or black by their
+    brightness; the rest take the palette colour of nearest hue. So dark green is "green", which
+    palette_classes' RGB distance calls "black". A diagnostic beside the strict palette check.
+    """
+    rgb = img.astype(np.float32) / 255.0
+    mx, mn = rgb.max(-1), rgb.min(-1)
+    d = np.abs(_hue_degrees(rgb)[..., None] - _PALETTE_HUES)
+    chromatic = np.array([COLOURS.index(c) for c in _CHROMATIC])[np.minimum(d, 360 - d).argmin(-1)]
+    grey = np.where(mx > 0.5, COLOURS.index("white"), COLOURS.index("black"))
+    return np.where(mx - mn < min_chroma, grey, chromatic)
+
+
+def colour_check(img: np.ndarray, scene: Scene, classify=palette_classes) -> tuple[bool, bool]:
     """(shape colour right, background colour right) for an image generated from scene's caption.
 
     The background must be the most frequent palette colour; the shape colour must be the most
     frequent palette colour among the rest and cover at least 1% of the image. Fits this data: the
     shape's shades are darker versions of its colour, the background is one flat colour.
+    classify maps an image to per-pixel colour indices (-1: none): palette_classes (strict RGB
+    distance, the headline check) or colour_name_classes (hue; brightness ignored).
     """
-    cls = palette_classes(img)
+    cls = classify(img)
     counts = np.bincount(cls[cls >= 0].ravel(), minlength=len(PALETTE))
     bg_i, fg_i = COLOURS.index(scene.background), COLOURS.index(scene.colour)
     bg_ok = bool(counts.argmax() == bg_i)

@@ -53,6 +53,16 @@ def test_suite_table_averages_seeds_before_reaching():
     assert "| +weighting | 2 | 5 |" in md and "1.67" in md and "not reached in 50" in md and "< 1.00" in md
 
 
+def test_no_ratio_when_the_baseline_did_not_learn():
+    # A baseline that ends below where it began would be "reached" by anything at epoch 0.
+    q = np.array([10, 20, 30, 40])
+    out = queries_to_reach(q, np.array([2.0, 1.9, 1.8, 1.9]), q, np.array([2.0, 2.1, 2.2, 2.3]))
+    assert out["ratio"] is None and out["reached"] is None and "did not improve" in out["undefined"]
+    runs = {"baseline": [fake_run(0, [2, 1.9, 1.8, 1.9, 1.9])], "+weighting": [fake_run(0, [2, 2.1, 2.2, 2.3, 2.3], ("latent_sq", "none"))]}
+    md = table_markdown(summarise_suite("headline", "jpeg_incompressibility", runs, None))
+    assert "undefined: the baseline did not improve" in md and "1.00" not in md
+
+
 def test_sd15_lora_shapes_match_sd15_rank4_adapter():
     from diffrlhf.deploy.bench.systems import sd15_lora_shapes
 
@@ -92,6 +102,11 @@ def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_
     mtimes = [f.stat().st_mtime_ns for f in run_files]
     study.main(args)
     assert [f.stat().st_mtime_ns for f in run_files] == mtimes
+    # another suite shares the runs it has in common (the headline pair is in the ablation)
+    study.main(args + ["--suite", "headline"])
+    assert [f.stat().st_mtime_ns for f in run_files] == mtimes
+    headline = json.loads((tmp_path / "headline_jpeg_compressibility.json").read_text())
+    assert [r["variant"] for r in headline["rows"]] == ["baseline", "+weighting"]
     # a different config must not silently mix with the saved runs
     with pytest.raises(SystemExit, match="different config"):
         study.main(args + ["--epochs", "3"])

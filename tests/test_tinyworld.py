@@ -42,6 +42,24 @@ def test_captions_describe_the_rendered_images():
     assert np.mean([fg for fg, _ in wrong]) <= 0.05
 
 
+def test_colour_names_forgive_brightness_but_not_hue():
+    # Darkened palette colours keep their name (the strict RGB check loses them), greys go to
+    # white/black by brightness, and on real images the name check agrees with the strict one.
+    pal = np.array([[tw.PALETTE[c] for c in tw.COLOURS]], np.uint8)
+    assert tw.colour_name_classes(pal).tolist() == [list(range(len(tw.COLOURS)))]
+    chromatic = [i for i, c in enumerate(tw.COLOURS) if c not in ("white", "black")]
+    dark = (pal[:, chromatic].astype(np.float32) * 0.45).astype(np.uint8)
+    assert tw.colour_name_classes(dark).tolist() == [chromatic]
+    assert (tw.palette_classes(dark) != np.array(chromatic)).all()
+    greys = np.array([[[230, 225, 235], [30, 25, 35], [110, 100, 105]]], np.uint8)
+    assert tw.colour_name_classes(greys).tolist() == [[tw.COLOURS.index("white"), tw.COLOURS.index("black"), tw.COLOURS.index("black")]]
+    imgs, _, scenes = tw.make_dataset(120, seed=2)
+    plain = [(im, s) for im, s in zip(imgs, scenes) if s.background != "gradient"]
+    assert np.mean([tw.colour_check(im, s, tw.colour_name_classes) for im, s in plain]) >= 0.97
+    other = [tw.Scene(**{**s.__dict__, "colour": next(c for c in tw.COLOURS if c not in (s.colour, s.background))}) for _, s in plain]
+    assert np.mean([tw.colour_check(im, o, tw.colour_name_classes)[0] for (im, _), o in zip(plain, other)]) <= 0.05
+
+
 def test_textures_differ_in_jpeg_size():
     # Room for compressibility rewards: noisy shapes must cost clearly more bytes than plain ones.
     import io

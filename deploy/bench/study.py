@@ -7,6 +7,7 @@ Suites (every variant has the same hyperparameters except the named axis):
   ablation   baseline (DDPO: uniform weights, no replay) / +weighting (latent_sq) / +hardmine / +both
   weighting  uniform, latent_sq, latent_abs, ddim_std, gaussian_early, gaussian_mid, gaussian_late (no replay)
   replay     none, hardmine, random (uniform weights)
+  headline   baseline / +weighting (latent_sq) only: the claim at a third of the ablation's cost
 
 Each (reward, variant, seed) runs the single-process reference loop (fastest on a few cores) and
 is saved to <out>/runs/<reward>/<scheme>__<replay>/seed<k>.json the moment it finishes; a file
@@ -22,7 +23,8 @@ Outputs per suite and reward: <suite>_<reward>.png (seed-mean reward vs reward q
 no later data); the target is the baseline's smoothed value at its last epoch; a variant's
 number is the reward queries used up to the first epoch whose smoothed mean is >= the target.
 The ratio is baseline / variant (> 1: the variant needs fewer queries). A variant that never gets
-there is reported as not reached, with the bound ratio < baseline / (its total queries).
+there is reported as not reached, with the bound ratio < baseline / (its total queries). If the baseline
+ends no better than its first epoch, there is no bar to reach and the table says so (no ratio).
 After the last epoch the trained policy samples the held-out prompts (prompts.eval) with fixed
 noise seeds (the same for every variant and seed: a paired comparison) and a separate reward
 server scores them, so these queries are not counted as training queries.
@@ -44,6 +46,8 @@ SUITES = {
                  "+hardmine": ("uniform", "hardmine"), "+both": ("latent_sq", "hardmine")},
     "weighting": {s: (s, "none") for s in SCHEMES},
     "replay": {m: ("uniform", m) for m in ("none", "hardmine", "random")},
+    # The claim in two runs per seed: for a second reward, where the full ablation costs too much.
+    "headline": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none")},
 }
 SMOOTH_WINDOW = 3
 EVAL_SEED_BASE = 987_654_321  # held-out noise seeds: fixed, disjoint from training seeds of small run seeds
@@ -77,6 +81,13 @@ def queries_to_reach(base_q, base_y, var_q, var_y, window: int = SMOOTH_WINDOW) 
     base_y / var_y are seed-mean reward per epoch, base_q / var_q the cumulative queries at each.
     """
     target = float(smooth(base_y, window)[-1])
+    start = float(base_y[0])
+    if target <= start:
+        # A baseline that ends no better than it began sets no bar: every variant "reaches" it at
+        # epoch 0, and a ratio of 1.00 would read as "no gain" when the truth is "no learning".
+        return {"target": target, "window": window, "baseline_queries": None, "queries": None, "reached": None,
+                "total_queries": int(var_q[-1]), "ratio": None, "ratio_upper_bound": None,
+                "undefined": f"the baseline did not improve (epoch 0 {start:.4f}, final smoothed {target:.4f})"}
     qb = first_reach(base_q, base_y, target, window)  # always found: the last epoch equals the target
     qv = first_reach(var_q, var_y, target, window)
     out = {"target": target, "window": window, "baseline_queries": qb, "queries": qv, "reached": qv is not None,
@@ -198,8 +209,10 @@ def get_run(out: Path, size: str, reward: str, epochs: int, overrides, axes, see
     return run_one(cfg, path, eval_samples, tag)
 
 
-def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int) -> dict | None:
-    """The held-out reward of the untrained policy (LoRA B = 0): the reference point for the evals."""
+def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int, run: bool = True) -> dict | None:
+    """The held-out reward of the untrained policy (LoRA B = 0): the reference point for the evals.
+
+    The saved one if it matches; else computed, unless run is False (--report-only)."""
     import json
 
     from diffrlhf.learner.reference_loop import build_policy
@@ -213,6 +226,8 @@ def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int) -
         saved = json.loads(path.read_text())
         if saved.get("key") == key and saved.get("samples") == eval_samples:
             return saved
+    if not run:
+        return None
     comps, learner = build_policy(cfg)
     res = evaluate(comps, learner.negative_embeds, cfg, eval_samples, 0)
     res["key"] = key
@@ -267,7 +282,9 @@ def table_markdown(summary: dict) -> str:
         if not r.get("seeds"):
             lines.append(f"| {r['variant']} | 0 | - | - | - | - | - |")
             continue
-        if r["reached"]:
+        if r.get("undefined"):
+            reach, ratio = "undefined: " + r["undefined"], "-"
+        elif r["reached"]:
             reach, ratio = str(r["queries"]), f"{r['ratio']:.2f}"
         else:
             reach, ratio = f"not reached in {r['total_queries']}", f"< {r['ratio_upper_bound']:.2f}"
@@ -345,7 +362,7 @@ def main(argv=None) -> dict:
     log("study", f"{len(args.reward)} reward(s) x {len(axes_list)} variants x {n_seeds} seeds x {epochs} epochs -> {out}")
     summaries = {}
     for reward in args.reward:
-        base = None if args.report_only else base_eval(out, args.size, reward, args.overrides, n_eval)
+        base = base_eval(out, args.size, reward, args.overrides, n_eval, run=not args.report_only)
         done = {}
         for seed in range(n_seeds):
             for axes in axes_list:
