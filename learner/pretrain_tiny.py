@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG, TinySize, build_tiny_components, save_components_folder
 from diffrlhf.learner import tinyworld as tw
+from diffrlhf.rewards.jpeg import jpeg_size_kb
 
 # The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), which trained faster here.
 SIZE = TinySize(attention_head_dim=4)
@@ -413,6 +414,20 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
         dz2 = float((traj[i + 1] - traj[i]).pow(2).mean())
         rows.append(dict(step=i, t=t, mean_sq_change=dz2, ddim_std=math.sqrt(var) * 1.0))
     stats["per_step"] = rows
+    # 5. Room for the JPEG rewards: JPEG size per texture of real images, of their VAE
+    # reconstructions and of samples of their captions. The rewards can only move what the
+    # decoder can draw (textures spread real images' sizes; a decoder that blurs them flat
+    # leaves incompressibility nothing to climb).
+    rng = np.random.default_rng(seed + 3000)
+    jpeg = {}
+    for tex in tw.TEXTURES:
+        scenes = [tw.Scene(tw.COLOURS[i % 8], tw.SHAPES[i % 4], "large", 1 + i % 2, tex, tw.COLOURS[(i + 3) % 8]) for i in range(32)]
+        real = np.stack([tw.render(sc, rng) for sc in scenes])
+        rec = pipe.vae.decode(pipe.vae.encode(to_vae_input(real)).latent_dist.mean).sample
+        rec = (pipe.image_processor.postprocess(rec, output_type="np") * 255).round().astype(np.uint8)
+        samp = sample(pipe, [sc.caption() for sc in scenes], seed + 3000)[0]
+        jpeg[tex] = {k: float(np.mean([jpeg_size_kb(im) for im in v])) for k, v in (("real", real), ("vae_reconstruction", rec), ("sampled", samp))}
+    stats["jpeg_kb_by_texture"] = jpeg
     _plot_steps(rows, results / "latent_change_per_step.png")
     (results / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats
@@ -459,7 +474,9 @@ def main(argv=None):
         folder = Path(tempfile.mkdtemp()) / "tiny-world"
         tw._assemble(args.out, folder)  # evaluate exactly what was written
         stats = evaluate(folder, args.results or Path("deploy/results/tinyworld"))
-        print(json.dumps({k: v for k, v in stats.items() if k != "per_step"}, indent=2))
+        print(json.dumps({k: v for k, v in stats.items() if k not in ("per_step", "jpeg_kb_by_texture")}, indent=2))
+        for tex, v in stats["jpeg_kb_by_texture"].items():
+            print(f"JPEG kB, {tex:9s}: real {v['real']:.3f}  VAE reconstruction {v['vae_reconstruction']:.3f}  sampled {v['sampled']:.3f}")
         for r in stats["per_step"]:
             print(f"{r['step']:3d} t={r['t']:4d}  mean|dz|^2={r['mean_sq_change']:.4f}  ddim_std={r['ddim_std']:.4f}")
 
