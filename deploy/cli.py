@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
     try:
         return args.fn(args)
-    except (ConfigError, ModelNotFoundError, FileNotFoundError) as e:
+    except (ConfigError, ModelNotFoundError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

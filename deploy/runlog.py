@@ -21,9 +21,21 @@ import numpy as np
 import yaml
 
 
+class RunFolderInUse(FileExistsError):
+    pass
+
+
 def make_run_dir(cfg) -> Path:
+    """A new run's folder. One that already holds a run is refused: a fresh run would append to
+    its metrics and overwrite some of its LoRA epochs and checkpoint, mixing two runs."""
     name = cfg.run.name or f"{cfg.preset or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     path = Path(cfg.run.out_dir) / name
+    held = [f for f in ("metrics.jsonl", "checkpoint", "lora") if (path / f).exists()]
+    if held:
+        raise RunFolderInUse(
+            f"run folder {path} already holds a run ({', '.join(held)}). Continue it with "
+            f"`diffrlhf train --resume {path}`, or start a new one under another run.name (or delete the folder)."
+        )
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -51,6 +51,22 @@ def test_missing_model_fails_before_ray_starts(capsys, tmp_path):
     assert not ray.is_initialized()
 
 
+def test_a_new_run_does_not_write_into_a_folder_that_holds_one(capsys, tmp_path):
+    # A fresh run named like an old one would append to its metrics and overwrite its LoRA epochs.
+    ray = pytest.importorskip("ray")
+    from diffrlhf.deploy.cli import main
+
+    ray.shutdown()
+    old = tmp_path / "demo"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"epoch": 0, "reward_mean": -1.0}\n')
+    code = main(["train", f"run.out_dir={tmp_path}", "run.name=demo"])
+    err = capsys.readouterr().err
+    assert code == 2 and "already holds a run" in err and f"--resume {old}" in err
+    assert (old / "metrics.jsonl").read_text() == '{"epoch": 0, "reward_mean": -1.0}\n'
+    assert not ray.is_initialized()
+
+
 def test_missing_prompt_file_is_a_clear_error(tmp_path):
     from diffrlhf.actors.prompts import load_prompts
 
