@@ -21,10 +21,6 @@ import numpy as np
 import yaml
 
 
-class RunFolderInUse(FileExistsError):
-    pass
-
-
 def make_run_dir(cfg) -> Path:
     """A new run's folder. One that already holds a run is refused: a fresh run would append to
     its metrics and overwrite some of its LoRA epochs and checkpoint, mixing two runs."""
@@ -32,7 +28,7 @@ def make_run_dir(cfg) -> Path:
     path = Path(cfg.run.out_dir) / name
     held = [f for f in ("metrics.jsonl", "checkpoint", "lora") if (path / f).exists()]
     if held:
-        raise RunFolderInUse(
+        raise FileExistsError(
             f"run folder {path} already holds a run ({', '.join(held)}). Continue it with "
             f"`diffrlhf train --resume {path}`, or start a new one under another run.name (or delete the folder)."
         )

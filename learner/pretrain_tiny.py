@@ -321,6 +321,12 @@ def sample(pipe, prompts: list[str], seed: int, steps: int = 20, eta: float = 1.
     return imgs, traj
 
 
+def reconstruct(pipe, images: np.ndarray) -> np.ndarray:
+    """uint8 images through the VAE and back (posterior mean): what the autoencoder keeps of them."""
+    rec = pipe.vae.decode(pipe.vae.encode(to_vae_input(images)).latent_dist.mean).sample
+    return (pipe.image_processor.postprocess(rec, output_type="np") * 255).round().astype(np.uint8)
+
+
 def colour_rates(pipe, split: str, n: int, seed: int):
     scenes = tw.eval_scenes(split, n)
     prompts = [s.caption() for s in scenes]
@@ -368,8 +374,7 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
     # The autoencoder's ceiling: the same check on VAE reconstructions of real held-out images.
     scenes = tw.eval_scenes("heldout", n_check)
     real = np.stack([tw.render(sc, np.random.default_rng(i)) for i, sc in enumerate(scenes)])
-    rec = pipe.vae.decode(pipe.vae.encode(to_vae_input(real)).latent_dist.mean).sample
-    rec = (pipe.image_processor.postprocess(rec, output_type="np") * 255).round().astype(np.uint8)
+    rec = reconstruct(pipe, real)
     fg, bg = np.mean([tw.colour_check(im, sc) for im, sc in zip(rec, scenes)], axis=0)
     stats["heldout_vae_reconstruction_shape_colour_ok"] = float(fg)
     stats["heldout_vae_reconstruction_background_colour_ok"] = float(bg)
@@ -423,8 +428,7 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
     for tex in tw.TEXTURES:
         scenes = [tw.Scene(tw.COLOURS[i % 8], tw.SHAPES[i % 4], "large", 1 + i % 2, tex, tw.COLOURS[(i + 3) % 8]) for i in range(32)]
         real = np.stack([tw.render(sc, rng) for sc in scenes])
-        rec = pipe.vae.decode(pipe.vae.encode(to_vae_input(real)).latent_dist.mean).sample
-        rec = (pipe.image_processor.postprocess(rec, output_type="np") * 255).round().astype(np.uint8)
+        rec = reconstruct(pipe, real)
         samp = sample(pipe, [sc.caption() for sc in scenes], seed + 3000)[0]
         jpeg[tex] = {k: float(np.mean([jpeg_size_kb(im) for im in v])) for k, v in (("real", real), ("vae_reconstruction", rec), ("sampled", samp))}
     stats["jpeg_kb_by_texture"] = jpeg
