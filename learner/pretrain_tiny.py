@@ -177,8 +177,23 @@ def embed_captions(text_encoder, cap_ids: torch.Tensor, bs: int = 512) -> torch.
     return torch.cat([text_encoder(cap_ids[i : i + bs])[0] for i in range(0, len(cap_ids), bs)])
 
 
-def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch, seed, p_uncond=0.1):
-    """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance.
+def min_snr_weights(alphas_cumprod: torch.Tensor, t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Min-SNR-gamma loss weights for the epsilon objective: min(SNR(t), gamma) / SNR(t).
+
+    (Hang et al. 2023.) 1 at high noise, gamma/SNR at low noise: the nearly clean steps, whose
+    noise is hard to see and whose loss would otherwise dominate the gradient, count less; the
+    noisy steps, where layout and colour are decided, count fully. gamma <= 0: plain epsilon loss.
+    """
+    if gamma <= 0:
+        return torch.ones(t.shape)
+    snr = alphas_cumprod[t] / (1 - alphas_cumprod[t])
+    return snr.clamp(max=gamma) / snr
+
+
+def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch, seed, p_uncond=0.1, min_snr_gamma=1.0):
+    """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance
+    and min-SNR weighting. In 800-step trials (train captions, CFG 5; shape / background colour
+    right): plain epsilon loss 24% / 52%, gamma 5 25% / 68%, gamma 1 32% / 75%.
 
     cap_embs: the frozen text encoder's output per unique caption, "" last (embed_captions).
     """
@@ -204,7 +219,8 @@ def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch
         noise = torch.randn(z0.shape, generator=g)
         t = torch.randint(0, noise_sched.config.num_train_timesteps, (batch,), generator=g)
         zt = noise_sched.add_noise(z0, noise, t)
-        loss = (unet(zt, t, emb).sample - noise).pow(2).mean()
+        err = (unet(zt, t, emb).sample - noise).pow(2).mean((1, 2, 3))
+        loss = (err * min_snr_weights(noise_sched.alphas_cumprod, t, min_snr_gamma)).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -244,7 +260,8 @@ def write_compact(full: Path, out: Path) -> None:
     shutil.copy(full / "model_index.json", out / "model_index.json")
 
 
-def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: int, text_steps: int = 200) -> dict:
+def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: int, text_steps: int = 200,
+             min_snr_gamma: float = 1.0) -> dict:
     torch.manual_seed(seed)
     t0 = time.time()
     images, captions, _, masks = tw.make_dataset(n_images, seed=seed, split="train", return_masks=True)
@@ -274,7 +291,8 @@ def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: in
     quantise_text_encoder_(text_encoder)  # the UNet learns on exactly the stored (fp16) text encoder
     t3 = time.time()
     cap_embs = embed_captions(text_encoder, cap_ids)
-    train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, unet_steps, batch=64, seed=seed + 20)
+    train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, unet_steps, batch=64, seed=seed + 20,
+               min_snr_gamma=min_snr_gamma)
     t_unet = time.time() - t3
 
     full = tmp_tok / "full"
@@ -282,7 +300,8 @@ def pretrain(out: Path, seed: int, n_images: int, vae_steps: int, unet_steps: in
     write_compact(full, out)
     shutil.rmtree(tmp_tok, ignore_errors=True)
     info = dict(
-        seed=seed, n_images=n_images, vae_steps=vae_steps, text_steps=text_steps, unet_steps=unet_steps, size=str(SIZE),
+        seed=seed, n_images=n_images, vae_steps=vae_steps, text_steps=text_steps, unet_steps=unet_steps,
+        min_snr_gamma=min_snr_gamma, size=str(SIZE),
         vae_scaling_factor=scaling, text_probe_loss=text_loss,
         seconds=dict(data=t_data, vae=t_vae, text=t_text, unet=t_unet, total=time.time() - t0),
         torch=torch.__version__, threads=torch.get_num_threads(), sha256=tw.weights_digest(out),
@@ -304,9 +323,18 @@ def load_pipeline(folder: Path):
     return pipe
 
 
+def preset_guidance() -> float:
+    """The `tiny` preset's guidance scale: the evaluation samples the way RL does."""
+    from diffrlhf.deploy.config import load_config
+
+    return load_config("tiny").sample.guidance_scale
+
+
 @torch.no_grad()
-def sample(pipe, prompts: list[str], seed: int, steps: int = 20, eta: float = 1.0, cfg: float = 5.0, record: bool = False):
-    """Stock-pipeline samples (uint8 [B,64,64,3]) and, if record, the latents after every step."""
+def sample(pipe, prompts: list[str], seed: int, steps: int = 20, eta: float = 1.0, cfg: float | None = None, record: bool = False):
+    """Stock-pipeline samples (uint8 [B,64,64,3]) and, if record, the latents after every step.
+    cfg: guidance scale, default the `tiny` preset's."""
+    cfg = preset_guidance() if cfg is None else cfg
     g = torch.Generator().manual_seed(seed)
     z = torch.randn((len(prompts), 4, 8, 8), generator=g)
     traj = [z.clone()]
@@ -370,7 +398,7 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
         stats[f"{split}_shape_colour_name_ok"] = float(fg_name)
         stats[f"{split}_background_colour_name_ok"] = float(bg_name)
         save_grid(imgs[:32], prompts[:32], results / f"samples_{split}.png",
-                  title=f"tiny-world, {split} captions, DDIM 20 steps, eta 1, CFG 5 (shape colour ok {fg:.0%})")
+                  title=f"tiny-world, {split} captions, DDIM 20 steps, eta 1, CFG {preset_guidance():g} (shape colour ok {fg:.0%})")
     # The autoencoder's ceiling: the same check on VAE reconstructions of real held-out images.
     scenes = tw.eval_scenes("heldout", n_check)
     real = np.stack([tw.render(sc, np.random.default_rng(i)) for i, sc in enumerate(scenes)])
@@ -395,7 +423,7 @@ def evaluate(folder: Path, results: Path, seed: int = 0, n_check: int = 64) -> d
     stats["real_latent_std"] = float(z_real.std())
     stats["sampled_latent_std"] = float(z_final.std())
     # Without guidance (CFG 1) the sampler shows the distribution the UNet learned; guidance
-    # pushes latents outward by design, so CFG 5's std is larger in any diffusion model.
+    # pushes latents outward by design, so the guided std is larger in any diffusion model.
     stats["sampled_latent_std_cfg1"] = float(sample(pipe, prompts, seed + 2000, cfg=1.0, record=True)[1][-1].std())
     # 3. The UNet's noise prediction at high noise should be ~ unit std (it predicts N(0, I) noise).
     sch = pipe.scheduler
@@ -452,7 +480,7 @@ def _plot_steps(rows, path: Path):
     ax.set_yscale("log")
     ax.invert_xaxis()
     ax.legend(fontsize=7)
-    ax.set_title("tiny-world, DDIM 20 steps, eta 1, CFG 5, 64 samples", fontsize=8)
+    ax.set_title(f"tiny-world, DDIM 20 steps, eta 1, CFG {preset_guidance():g}, 64 samples", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -465,13 +493,14 @@ def main(argv=None):
     ap.add_argument("--images", type=int, default=10000)
     ap.add_argument("--vae-steps", type=int, default=1000)
     ap.add_argument("--text-steps", type=int, default=200)
-    ap.add_argument("--unet-steps", type=int, default=1500)
+    ap.add_argument("--unet-steps", type=int, default=1400)
+    ap.add_argument("--min-snr-gamma", type=float, default=1.0, help="min-SNR loss weighting of the UNet (<= 0: off)")
     ap.add_argument("--results", type=Path, default=None, help="also evaluate and write pictures/stats here")
     ap.add_argument("--eval-only", action="store_true", help="evaluate the committed weights (ensure_tiny_world)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     if not args.eval_only:
-        info = pretrain(args.out, args.seed, args.images, args.vae_steps, args.unet_steps, args.text_steps)
+        info = pretrain(args.out, args.seed, args.images, args.vae_steps, args.unet_steps, args.text_steps, args.min_snr_gamma)
         print(json.dumps(info, indent=2))
         print(f"wrote {args.out} (sha256 {info['sha256'][:16]}, recorded in info.json)")
     if args.results or args.eval_only:

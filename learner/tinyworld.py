@@ -335,7 +335,7 @@ def _missing_error(why: str):
 
     return ModelNotFoundError(
         f"the tiny-world weights are not usable ({why}; looked in {WEIGHTS_DIR}). Rebuild them "
-        f"(about 17 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
+        f"(about 15 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
         "or restore learner/tiny_world/ from git."
     )
 
