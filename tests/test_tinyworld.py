@@ -203,3 +203,16 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio():
         torch.testing.assert_close(w, expected, rtol=1e-4, atol=1e-6)
         assert w.max() <= 1 + 1e-6 and w[0] < 0.01 and w[-1] == pytest.approx(1.0)
     assert torch.equal(min_snr_weights(alphas_cumprod, t, 0.0), torch.ones(len(t)))
+
+
+def test_unet_training_weights_its_loss_by_min_snr(monkeypatch):
+    """train_unet applies min_snr_weights with the gamma it is given, at every step."""
+    from diffrlhf.learner import pretrain_tiny
+
+    calls, real = [], pretrain_tiny.min_snr_weights
+    monkeypatch.setattr(pretrain_tiny, "min_snr_weights", lambda ac, t, gamma: calls.append(gamma) or real(ac, t, gamma))
+    unet = build_tiny_components(0, pretrain_tiny.SIZE)[0]
+    lat = torch.randn(4, 4, 8, 8)
+    pretrain_tiny.train_unet(unet, torch.randn(3, 77, 32), lat, torch.full_like(lat, 0.1), 1.0, torch.tensor([0, 1, 0, 1]),
+                             steps=2, batch=2, seed=0, min_snr_gamma=3.0)
+    assert calls == [3.0, 3.0]
