@@ -187,13 +187,12 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio():
     """The UNet's loss weights are min(SNR, gamma) / SNR, with SNR recomputed here from SD1.5's
     scaled-linear betas: 1 wherever SNR <= gamma (the noisy steps), gamma / SNR above it, and
     all ones when the weighting is off."""
-    from diffusers import DDPMScheduler
+    from diffusers import DDIMScheduler
 
     from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG
     from diffrlhf.learner.pretrain_tiny import min_snr_weights
 
-    cfg = {k: v for k, v in SD15_SCHEDULER_CONFIG.items() if k not in ("set_alpha_to_one", "steps_offset")}
-    alphas_cumprod = DDPMScheduler(**cfg).alphas_cumprod
+    alphas_cumprod = DDIMScheduler(**SD15_SCHEDULER_CONFIG).alphas_cumprod  # the sampler's, = training's betas
     betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
     abar = torch.cumprod(1 - betas, 0)
     snr = abar / (1 - abar)
