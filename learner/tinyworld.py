@@ -26,13 +26,17 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 RES = 64
+# The corners of the RGB cube: a blend of two of them (a shape's antialiased edge, a blurry
+# sample) is read as one of the two or as neither, never as a third. With orange and purple in
+# place of cyan and magenta, a yellow shape's edge on red read as orange, and most misses of the
+# colour check were such neighbours (RESULTS.md, section 2).
 PALETTE = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
     "blue": (40, 80, 220),
     "yellow": (240, 220, 40),
-    "purple": (140, 60, 190),
-    "orange": (250, 140, 20),
+    "magenta": (210, 40, 190),
+    "cyan": (30, 200, 210),
     "white": (240, 240, 240),
     "black": (20, 20, 20),
 }
@@ -45,7 +49,7 @@ BACKGROUNDS = COLOURS + ["gradient"]
 # (colour, shape) pairs never drawn in training: one per colour, each shape twice.
 HELDOUT_PAIRS = {
     ("red", "triangle"), ("green", "square"), ("blue", "star"), ("yellow", "circle"),
-    ("purple", "triangle"), ("orange", "square"), ("white", "star"), ("black", "circle"),
+    ("magenta", "triangle"), ("cyan", "square"), ("white", "star"), ("black", "circle"),
 }
 PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars"}
 
@@ -75,8 +79,7 @@ class Scene:
         text = " ".join(words)
         if mention_background:
             text += f" on a {self.background} background"
-        # "a" before a vowel sound reads better and is what real captions would say.
-        return text.replace("a orange", "an orange")
+        return text
 
     @property
     def heldout(self) -> bool:
