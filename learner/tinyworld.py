@@ -156,13 +156,18 @@ def _shape_mask(scene: Scene, rng: np.random.Generator) -> np.ndarray:
     return m.reshape(RES, ss, RES, ss).mean(axis=(1, 3))
 
 
+def texture_shade(colour: str) -> np.ndarray:
+    """The second tone of striped/checkered fills: a darker (or, for black, lighter) shade of the
+    colour, close enough that the texture's average (what an 8x-downsampling VAE keeps of a fine
+    pattern) is still nearest to the named palette colour."""
+    c = np.array(PALETTE[colour], dtype=np.float32)
+    return c * 0.75 if colour != "black" else c + 45
+
+
 def _texture(scene: Scene, rng: np.random.Generator) -> np.ndarray:
     """The shape's fill [H, W, 3] in 0..255: its colour, alternated with a darker shade or noised."""
     c = np.array(PALETTE[scene.colour], dtype=np.float32)
-    # The second tone is a darker (or, for black, lighter) shade of the same colour, close enough
-    # that the texture's average (what an 8x-downsampling VAE keeps of a fine pattern) is still
-    # nearest to the named palette colour.
-    shade = c * 0.75 if scene.colour != "black" else c + 45
+    shade = texture_shade(scene.colour)
     yy, xx = np.mgrid[0:RES, 0:RES]
     if scene.texture == "plain":
         sel = np.zeros((RES, RES), bool)
