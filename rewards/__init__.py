@@ -35,6 +35,12 @@ def _jpeg_compressibility(**kw):
     return JpegCompressibility(**kw)
 
 
+def _jpeg_compressibility_shuffled(**kw):
+    from .jpeg import ShuffledJpegCompressibility
+
+    return ShuffledJpegCompressibility(**kw)
+
+
 def _aesthetic(**kw):
     from .aesthetic import AestheticScorer
 
@@ -69,6 +75,7 @@ def _hpsv2_pkg(**kw):
 _BUILDERS: dict[str, Callable[..., RewardFn]] = {
     "jpeg_compressibility": _jpeg_compressibility,
     "jpeg_incompressibility": _jpeg_incompressibility,
+    "jpeg_compressibility_shuffled": _jpeg_compressibility_shuffled,
     "aesthetic": _aesthetic,
     "imagereward": _imagereward,
     "imagereward_pkg": _imagereward_pkg,

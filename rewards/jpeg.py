@@ -31,3 +31,20 @@ class JpegIncompressibility:
 class JpegCompressibility(JpegIncompressibility):
     name = "jpeg_compressibility"
     sign = -1.0
+
+
+class ShuffledJpegCompressibility(JpegCompressibility):
+    """A control, not an objective: each image gets the compressibility of the NEXT image in the
+    same call (cyclic). The rewards keep their distribution and each call's mean (so the logged
+    reward mean is still the samples' mean compressibility), but none carries information about
+    its own image, so the expected policy gradient is zero. Training on it measures how far an
+    update rule moves the JPEG size with no reward signal at all (drift), to subtract from a
+    run on the real reward."""
+
+    name = "jpeg_compressibility_shuffled"
+
+    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+        if len(images) < 2:
+            raise ValueError(f"{self.name}: a call must score at least 2 images (got {len(images)}), or an image would "
+                             "get its own reward; use reward.batch_size >= 2 and sample batches of >= 2")
+        return np.roll(super().__call__(images, prompts), -1)

@@ -84,7 +84,7 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
-def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads):
+def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads, capsys):
     from diffrlhf.deploy.bench import study
 
     args = ["--size", "tiny", "--out", str(tmp_path), "--threads", "1"]
@@ -107,6 +107,14 @@ def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_
     assert [f.stat().st_mtime_ns for f in run_files] == mtimes
     headline = json.loads((tmp_path / "headline_jpeg_compressibility.json").read_text())
     assert [r["variant"] for r in headline["rows"]] == ["baseline", "+weighting"]
+    # --only: a subset of a suite's variants; here both are saved already, so nothing runs
+    study.main(args + ["--suite", "weighting", "--only", "uniform", "latent_sq"])
+    assert [f.stat().st_mtime_ns for f in run_files] == mtimes and len(list(tmp_path.glob("runs/*/*/seed0.json"))) == 4
+    weighting = json.loads((tmp_path / "weighting_jpeg_compressibility.json").read_text())
+    assert {r["variant"]: r["seeds"] for r in weighting["rows"]} == {s: int(s in ("uniform", "latent_sq")) for s in study.SCHEMES}
+    with pytest.raises(SystemExit):
+        study.main(args + ["--suite", "weighting", "--only", "uniform", "+both"])
+    assert "--only: +both not in suite(s) weighting" in capsys.readouterr().err
     # a different config must not silently mix with the saved runs
     with pytest.raises(SystemExit, match="different config"):
         study.main(args + ["--epochs", "3"])
@@ -173,3 +181,24 @@ def test_study_does_not_reuse_runs_made_on_other_tiny_world_weights(monkeypatch,
     monkeypatch.setattr(tinyworld, "recorded_digest", lambda folder=None: "f" * 64)
     with pytest.raises(SystemExit, match="weights_sha256"):
         study.check_reusable(tmp_path / "run.json", saved, cfg)
+
+
+def test_drift_control_pairs_seeds_and_subtracts_the_shuffled_runs_gain():
+    from diffrlhf.deploy.bench.drift import drift_rows
+
+    def run(seed, rewards, heldout):
+        recs = [{"reward_queries": 8 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)]
+        return {"seed": seed, "records": recs, "eval": {"reward_mean": heldout}}
+
+    # gain = trailing-3 mean at the end - epoch 0: seed 0: mean(2, 3, 4) - 0 = 3; seed 1: mean(1, 1, 1) - 1 = 0
+    real = {"a": [run(0, [0, 1, 2, 3, 4], 5.0), run(1, [1, 1, 1, 1, 1], 2.0)]}
+    control = {"a": [run(1, [1, 1, 1, 2, 2], 1.0), run(0, [0, 0, 1, 1, 1], 4.0), run(2, [0, 9, 9], 9.0)]}
+    (row,) = drift_rows(real, control, untrained_heldout=1.0)
+    assert row["seeds"] == [0, 1]  # seed 2 has no reward run: left out, not mixed in
+    assert row["gain"][0] == pytest.approx(1.5) and row["drift"][0] == pytest.approx((1 + 2 / 3) / 2)
+    # net is per seed, paired: seed 0: 3 - 1; seed 1: 0 - (mean(1, 2, 2) - 1)
+    assert row["net"][0] == pytest.approx((2 - 2 / 3) / 2)
+    assert row["net"][1] == pytest.approx(np.std([2, -2 / 3], ddof=1) / np.sqrt(2))
+    assert row["heldout_net"][0] == pytest.approx(((5 - 4) + (2 - 1)) / 2)
+    assert row["heldout_gain"][0] == pytest.approx(((5 - 1) + (2 - 1)) / 2)
+    assert drift_rows({"b": [run(0, [0, 1], 0.0)]}, {}, None) == [{"variant": "b", "seeds": []}]

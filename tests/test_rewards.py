@@ -56,6 +56,22 @@ def test_jpeg_quality_kwarg():
     np.testing.assert_allclose(got, [pil_jpeg_kb(im, 50) for im in ims], atol=1e-6)
 
 
+def test_shuffled_jpeg_control_gives_each_image_another_images_reward():
+    ims = np.concatenate([rand_images(2, 32), smooth_images(3, 32)])
+    fn = build_reward("jpeg_compressibility_shuffled")
+    got = fn(ims, [""] * 5)
+    want = -np.array([pil_jpeg_kb(im) for im in ims], dtype=np.float32)
+    np.testing.assert_allclose(got, want[[1, 2, 3, 4, 0]], atol=1e-6)  # image i scored as image i+1
+    assert got.mean() == pytest.approx(want.mean(), abs=1e-6)  # the logged mean is still the samples' mean
+    # An image's own reward does not depend on it: change image 0 and only image 4's reward moves.
+    ims2 = ims.copy()
+    ims2[0] = smooth_images(1, 32)[0]
+    got2 = fn(ims2, [""] * 5)
+    assert got2[0] == got[0] and np.array_equal(got2[1:4], got[1:4]) and got2[4] != got[4]
+    with pytest.raises(ValueError, match="at least 2 images"):
+        fn(ims[:1], [""])
+
+
 # ---------------------------------------------------------------- preprocessing
 
 

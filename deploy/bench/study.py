@@ -319,7 +319,8 @@ def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: s
     plt.close(fig)
 
 
-YLABEL = {"jpeg_compressibility": "JPEG compressibility (-kB)", "jpeg_incompressibility": "JPEG size (kB)"}
+YLABEL = {"jpeg_compressibility": "JPEG compressibility (-kB)", "jpeg_incompressibility": "JPEG size (kB)",
+          "jpeg_compressibility_shuffled": "JPEG compressibility (-kB), reward shuffled"}
 
 
 def report(out: Path, suite: str, reward: str, runs: dict, base) -> dict:
@@ -347,6 +348,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--report-only", action="store_true", help="only tabulate and plot the runs already saved")
     ap.add_argument("--out", help="default deploy/results/study")
+    ap.add_argument("--only", nargs="+", metavar="VARIANT",
+                    help="run and report only these variants of the suites (labels as in their tables, e.g. uniform ddim_std); "
+                         "the others show as 0 seeds")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset)")
     args = ap.parse_args(argv)
     d = SIZES[args.size]
@@ -358,7 +362,13 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(args.threads)
     # Distinct (scheme, replay) runs across the chosen suites, so shared ones run once.
-    axes_list = list(dict.fromkeys(ax for s in args.suite for ax in SUITES[s].values()))
+    chosen = {label: ax for s in args.suite for label, ax in SUITES[s].items()}
+    if args.only:
+        unknown = sorted(set(args.only) - set(chosen))
+        if unknown:
+            ap.error(f"--only: {', '.join(unknown)} not in suite(s) {', '.join(args.suite)}; their variants: {', '.join(chosen)}")
+        chosen = {label: ax for label, ax in chosen.items() if label in args.only}
+    axes_list = list(dict.fromkeys(chosen.values()))
     log("study", f"{len(args.reward)} reward(s) x {len(axes_list)} variants x {n_seeds} seeds x {epochs} epochs -> {out}")
     summaries = {}
     for reward in args.reward:
