@@ -1,9 +1,9 @@
 """Drift control: how much of a variant's reward gain it also gets from a reward with no information.
 
     python -m diffrlhf.deploy.bench.study --suite weighting --reward jpeg_compressibility_shuffled \\
-        --only uniform latent_sq ddim_std --seeds 3 --epochs 15 --threads 2     # the control runs
+        --only uniform latent_sq ddim_std gaussian_early gaussian_mid --seeds 3 --epochs 15 --threads 2
     python -m diffrlhf.deploy.bench.drift [--study deploy/results/study] [--reward jpeg_compressibility]
-        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ddim_std]
+        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ...]
 
 `jpeg_compressibility_shuffled` gives each image the compressibility of another image of its
 batch: same rewards, same mean (so its logged reward is still the samples' mean compressibility),
@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--study", type=Path, default=Path("deploy/results/study"))
     ap.add_argument("--reward", default="jpeg_compressibility")
     ap.add_argument("--control", default="jpeg_compressibility_shuffled")
-    ap.add_argument("--variants", nargs="+", default=["uniform", "latent_sq", "ddim_std"], choices=SCHEMES,
+    ap.add_argument("--variants", nargs="+", default=["uniform", "latent_sq", "ddim_std", "gaussian_early", "gaussian_mid"], choices=SCHEMES,
                     help="weighting schemes (no replay) run on both rewards")
     args = ap.parse_args(argv)
     real, control = load_runs(args.study, args.reward, args.variants), load_runs(args.study, args.control, args.variants)
