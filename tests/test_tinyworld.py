@@ -75,7 +75,7 @@ def test_a_blend_of_two_palette_colours_is_never_read_as_a_third():
     for (a, b), row in zip(pairs, read):
         for w, cls in zip(weights, row):
             assert cls in (-1, tw.COLOURS.index(a), tw.COLOURS.index(b)), (a, b, w, tw.COLOURS[cls])
-    means = np.stack([[0.5 * pal[c] + 0.5 * tw.texture_shade(c) for c in tw.COLOURS]])
+    means = np.array([[0.5 * pal[c] + 0.5 * tw.texture_shade(c) for c in tw.COLOURS]])  # [1, colours, 3]
     assert tw.palette_classes(means.astype(np.uint8)).tolist() == [list(range(len(tw.COLOURS)))]
 
 

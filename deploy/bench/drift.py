@@ -57,7 +57,7 @@ def drift_rows(real: dict[str, list[dict]], control: dict[str, list[dict]], untr
     return rows
 
 
-def _pm(v) -> str:
+def _signed_pm(v) -> str:
     if v is None:
         return "-"
     return f"{v[0]:+.3f}" if v[1] is None else f"{v[0]:+.3f} ± {v[1]:.3f}"
@@ -70,8 +70,8 @@ def table_markdown(reward: str, control: str, rows: list[dict]) -> str:
              "| variant | seeds | gain (reward) | drift (control) | net | held-out gain | held-out drift | held-out net |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {len(r['seeds'])} | {_pm(r.get('gain'))} | {_pm(r.get('drift'))} | {_pm(r.get('net'))} | "
-                     f"{_pm(r.get('heldout_gain'))} | {_pm(r.get('heldout_drift'))} | {_pm(r.get('heldout_net'))} |")
+        lines.append(f"| {r['variant']} | {len(r['seeds'])} | {_signed_pm(r.get('gain'))} | {_signed_pm(r.get('drift'))} | {_signed_pm(r.get('net'))} | "
+                     f"{_signed_pm(r.get('heldout_gain'))} | {_signed_pm(r.get('heldout_drift'))} | {_signed_pm(r.get('heldout_net'))} |")
     return "\n".join(lines + [""])
 
 
