@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from diffrlhf.actors.prompts import load_prompts, plan_batch
+from diffrlhf.policy.prompts import load_prompts, plan_batch
+from diffrlhf.actors.observe import RunMetrics, Watchdog
+from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
 
 
 class RunFailed(RuntimeError):
@@ -75,7 +77,6 @@ class Driver:
                              sample_retries=0, score_retries=0, actor_deaths=0)
         self.records: list[dict] = []
         self.role_stats: list[dict] = []
-        from diffrlhf.deploy.observe import RunMetrics, Watchdog
 
         self.metrics = RunMetrics()
         self.watchdog = Watchdog(role_timeout_s=cfg.system.idle_timeout_s / 2, queue_timeout_s=cfg.system.idle_timeout_s / 2)
@@ -91,14 +92,12 @@ class Driver:
     def start_actors(self) -> None:
         import ray
 
-        from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
 
         s, cfg = self.cfg.system, self.cfg
         classes = {**dict(sampler=SamplerWorker, reward=RewardWorker, buffer=BufferWorker, learner=LearnerWorker), **self.worker_classes}
-        SamplerWorker, RewardWorker, BufferWorker, LearnerWorker = (classes[k] for k in ("sampler", "reward", "buffer", "learner"))
-        self.Sampler, self.Reward = ray.remote(SamplerWorker), ray.remote(RewardWorker)
-        self.learner = ray.remote(LearnerWorker).options(**self._options("learner", s.learner_cpus, s.learner_gpus)).remote(cfg)
-        self.buffer = ray.remote(BufferWorker).options(**self._options("buffer", 0, 0)).remote(cfg)
+        self.Sampler, self.Reward = ray.remote(classes["sampler"]), ray.remote(classes["reward"])
+        self.learner = ray.remote(classes["learner"]).options(**self._options("learner", s.learner_cpus, s.learner_gpus)).remote(cfg)
+        self.buffer = ray.remote(classes["buffer"]).options(**self._options("buffer", 0, 0)).remote(cfg)
         self.samplers = [self.Sampler.options(**self._options("sampler", s.sampler_cpus, s.sampler_gpus, s.max_actor_restarts)).remote(cfg, i)
                          for i in range(s.num_samplers)]
         ropts = self._options("reward", s.reward_cpus, s.reward_gpus, s.max_actor_restarts)

@@ -12,7 +12,11 @@ import time
 
 import torch
 
+from diffrlhf.actors.settings import advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings
+from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.learner.lora import add_lora, load_lora_state_dict, save_lora
+from diffrlhf.policy.sampler import sample_trajectories
 
 
 def timed(method):
@@ -52,20 +56,14 @@ class SamplerWorker(_Role):
     """Holds the base pipeline plus the LoRA; samples planned batches with the version it is given."""
 
     def __init__(self, cfg, rank: int = 0):
-        from diffrlhf.actors.models import load_components
-        from diffrlhf.learner.lora import add_lora
-        from diffrlhf.learner.reference_loop import resolve_device, sampling_settings
-
         self._init_role(cfg, f"sampler-{rank}")
-        self.components = load_components(cfg.model.name, resolve_device(cfg.model.device), getattr(torch, cfg.model.dtype))
+        self.components = load_model(cfg)
         add_lora(self.components.unet, cfg.model.lora_rank, cfg.model.lora_alpha or None, tuple(cfg.model.lora_targets), seed=cfg.run.seed)
         self.settings = sampling_settings(cfg)
         self.negative_embeds = self.components.encode_prompts([cfg.sample.negative_prompt])
         self.version = -1  # no weights yet: the first call always loads the ones it is given
 
     def set_weights(self, version: int, lora_state: dict) -> None:
-        from diffrlhf.learner.lora import load_lora_state_dict
-
         load_lora_state_dict(self.components.unet, lora_state)
         self.version = version
 
@@ -76,8 +74,6 @@ class SamplerWorker(_Role):
         `weights` is (version, LoRA state), resolved by Ray from the learner's one broadcast object;
         it is loaded only when the version changed.
         """
-        from diffrlhf.actors.sampler import sample_trajectories
-
         t0 = time.perf_counter()
         version, lora_state = weights
         if version != self.version:
@@ -91,10 +87,8 @@ class SamplerWorker(_Role):
 
 class RewardWorker(_Role):
     def __init__(self, cfg, rank: int = 0):
-        from diffrlhf.rewards.serving import RewardServer
-
         self._init_role(cfg, f"reward-{rank}")
-        self.server = RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+        self.server = reward_server(cfg)
 
     @timed
     def score(self, reward_input: dict):
@@ -107,21 +101,14 @@ class BufferWorker(_Role):
     learner's batches: the current epoch plus replay."""
 
     def __init__(self, cfg):
-        from diffrlhf.buffer.advantages import AdvantageComputer
-        from diffrlhf.buffer.replay import ReplayBuffer
-
         self._init_role(cfg, "buffer")
-        a, r = cfg.advantage, cfg.replay
-        self.advantages = AdvantageComputer(a.mode, a.clip_max, a.buffer_size, a.min_count)
-        self.replay = ReplayBuffer(r.max_epochs, r.mode, r.k, seed=cfg.run.seed)
+        self.advantages = advantage_computer(cfg)
+        self.replay = replay_buffer(cfg)
         self.pending: dict[int, dict[int, TrajectoryBatch]] = {}
 
     @timed
     def add_scored(self, epoch: int, batch_index: int, batch: TrajectoryBatch, score) -> int:
-        by_id = dict(zip(score.ids, score.rewards))
-        keep = [i for i, sid in enumerate(batch.sample_ids.tolist()) if sid in by_id]
-        batch = batch.select(keep)
-        batch.rewards = torch.tensor([by_id[s] for s in batch.sample_ids.tolist()], dtype=torch.float32)
+        batch = attach_rewards(batch, score.ids, score.rewards)
         self.pending.setdefault(epoch, {})[batch_index] = batch
         return len(batch)
 
@@ -129,15 +116,8 @@ class BufferWorker(_Role):
     def finalize_epoch(self, epoch: int) -> dict:
         """Advantages over the whole epoch, in batch-index order (as the reference loop), then store."""
         parts = self.pending.pop(epoch, {})
-        if not parts:
-            raise RuntimeError(f"epoch {epoch} has no scored trajectories (every batch was dropped)")
-        batch = TrajectoryBatch.cat([parts[i] for i in sorted(parts)])
-        batch.advantages = torch.from_numpy(self.advantages(batch.prompts, batch.rewards.numpy()))
-        self.replay.add(epoch, batch)
-        r = batch.rewards.double()
-        return {"epoch": epoch, "samples": len(batch), "rewards": batch.rewards.tolist(),
-                "policy_versions": batch.policy_version.tolist(), "images": batch.images[:16].numpy(),
-                "prompts": batch.prompts[:16], "reward_mean": float(r.mean())}
+        _, summary = finalize_epoch(epoch, [parts[i] for i in sorted(parts)], self.advantages, self.replay)
+        return summary
 
     @timed
     def training_batch(self, epoch: int):
@@ -154,8 +134,6 @@ class BufferWorker(_Role):
 
 class LearnerWorker(_Role):
     def __init__(self, cfg):
-        from diffrlhf.learner.reference_loop import build_policy
-
         self._init_role(cfg, "learner")
         self.components, self.learner = build_policy(cfg)
 
@@ -163,10 +141,10 @@ class LearnerWorker(_Role):
     def update(self, training_batch) -> tuple[dict, tuple[int, dict]]:
         """One epoch's update; returns (metrics, (new version, LoRA state)). The second return is
         the broadcast: one object in the store that every sampler reads."""
-        batch, n_replayed = training_batch
-        metrics = self.learner.update(batch, n_replayed)
-        metrics["policy_lag_max"] = int(self.learner.version - 1 - batch.policy_version[: len(batch) - n_replayed].min())
-        metrics["policy_lag_mean"] = float((self.learner.version - 1 - batch.policy_version[: len(batch) - n_replayed].double()).mean())
+        metrics = self.learner.update(training_batch)
+        fresh = training_batch.policy_version[~training_batch.replayed]
+        metrics["policy_lag_max"] = int(self.learner.version - 1 - fresh.min())
+        metrics["policy_lag_mean"] = float((self.learner.version - 1 - fresh.double()).mean())
         return metrics, (self.learner.version, self.learner.lora_state())
 
     def weights(self) -> tuple[int, dict]:
@@ -179,6 +157,4 @@ class LearnerWorker(_Role):
         self.learner.load_state_dict(state)
 
     def save_lora(self, folder: str) -> str:
-        from diffrlhf.learner.lora import save_lora
-
         return str(save_lora(self.components.unet, folder))

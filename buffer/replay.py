@@ -68,15 +68,16 @@ class ReplayBuffer:
             return None
         return self.sample_hardmined(current_epoch) if self.mode == "hardmine" else self.sample_random(current_epoch)
 
-    def training_batch(self, current_epoch: int) -> tuple[TrajectoryBatch, int]:
-        """Current epoch plus replay; returns (batch, number of replayed rows at its end)."""
+    def training_batch(self, current_epoch: int) -> TrajectoryBatch:
+        """The current epoch's trajectories, then the replayed ones, marked `replayed`."""
         current = self.epochs.get(current_epoch)
         if current is None:
             raise KeyError(f"no trajectories stored for epoch {current_epoch}")
         replay = self.sample_replay(current_epoch)
         if replay is None:
-            return current, 0
-        return TrajectoryBatch.cat([current, replay]), len(replay)
+            return current
+        replay.replayed = torch.ones(len(replay), dtype=torch.bool)
+        return TrajectoryBatch.cat([current, replay])
 
     def state_dict(self) -> dict:
         return {"max_epochs": self.max_epochs, "mode": self.mode, "k": self.k, "rng": self.rng.get_state(),

@@ -24,6 +24,7 @@ TENSOR_FIELDS = (
     "sample_ids",  # [B] int64: unique id, the key that rewards come back with
     "rewards",  # [B] float32: NaN until scored
     "advantages",  # [B] float32: NaN until computed
+    "replayed",  # [B] bool: True for rows a training batch replays from an earlier epoch
 )
 
 
@@ -40,6 +41,7 @@ class TrajectoryBatch:
     sample_ids: torch.Tensor
     rewards: torch.Tensor = None
     advantages: torch.Tensor = None
+    replayed: torch.Tensor = None
     # Sampling settings the log-probs depend on; identical for all rows of a batch.
     meta: dict = field(default_factory=dict)
 
@@ -49,6 +51,8 @@ class TrajectoryBatch:
             self.rewards = torch.full((b,), float("nan"))
         if self.advantages is None:
             self.advantages = torch.full((b,), float("nan"))
+        if self.replayed is None:
+            self.replayed = torch.zeros(b, dtype=torch.bool)
         for name in TENSOR_FIELDS:
             t = getattr(self, name)
             if t.shape[0] != b:
@@ -100,13 +104,15 @@ class TrajectoryBatch:
             else:
                 cols[name] = pa.FixedShapeTensorArray.from_numpy_ndarray(arr)
         table = pa.table(cols)
-        return table.replace_schema_metadata({b"diffrlhf.meta": _json_dumps(self.meta), b"diffrlhf.version": b"1"})
+        return table.replace_schema_metadata({b"diffrlhf.meta": _json_dumps(self.meta), b"diffrlhf.version": b"2"})
 
     @staticmethod
     def from_arrow(table: pa.Table) -> "TrajectoryBatch":
         meta = _json_loads((table.schema.metadata or {}).get(b"diffrlhf.meta", b"{}"))
         kw = {}
         for name in TENSOR_FIELDS:
+            if name == "replayed" and name not in table.column_names:
+                continue  # written before the field existed (format 1): no row is replay
             col = table.column(name).combine_chunks()
             arr = col.to_numpy_ndarray() if isinstance(col.type, pa.FixedShapeTensorType) else col.to_numpy(zero_copy_only=False)
             kw[name] = torch.from_numpy(np.array(arr, copy=True))  # own, writable memory
@@ -139,7 +145,7 @@ class TrajectoryBatch:
         return TrajectoryBatch.from_arrow(feather.read_table(str(path)))
 
     def equals(self, other: "TrajectoryBatch") -> bool:
-        """Exact equality (NaN == NaN), used by tests and resume checks."""
+        """Exact equality (NaN == NaN): the Arrow round trip and replay's state are checked with it."""
         if self.prompts != other.prompts or self.meta != other.meta:
             return False
         for f in fields(self):

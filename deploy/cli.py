@@ -45,7 +45,7 @@ def load_cfg(args):
 
 def check_model(cfg) -> None:
     """Resolve the model before any actor starts: a missing model is a clear error, not a dead actor."""
-    from diffrlhf.actors.models import resolve_model
+    from diffrlhf.policy.models import resolve_model
 
     resolve_model(cfg.model.name)
 
@@ -76,7 +76,7 @@ def cmd_train(args) -> int:
 
 def cmd_reference(args) -> int:
     from diffrlhf.deploy.runlog import RunLogger, make_run_dir
-    from diffrlhf.learner.reference_loop import run_reference
+    from diffrlhf.actors.reference_loop import run_reference
 
     cfg = load_cfg(args)
     check_model(cfg)
@@ -132,7 +132,7 @@ def cmd_presets(args) -> int:
 
 
 def main(argv=None) -> int:
-    from diffrlhf.actors.models import ModelNotFoundError
+    from diffrlhf.policy.models import ModelNotFoundError
     from diffrlhf.deploy.config import ConfigError
 
     parser = argparse.ArgumentParser(prog="diffrlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,9 +14,12 @@ import numpy as np
 import torch
 import yaml
 
-from diffrlhf.actors.models import SDComponents, load_tokenizer, resolve_model
-from diffrlhf.actors.prompts import load_prompts
-from diffrlhf.actors.sampler import SamplingSettings, sample_trajectories
+from diffrlhf.policy.models import SDComponents, resolve_model
+from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
+from diffrlhf.policy.prompts import load_prompts
+from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
+from diffrlhf.rewards import build_reward
+from diffrlhf.rewards.preprocess import clip_preprocess  # CLIP's resize/crop/normalise, torch only
 
 
 def run_config(run_dir: Path):
@@ -46,7 +49,7 @@ def load_pipeline(cfg, device: str = "cpu"):
     folder = resolve_model(cfg.model.name)
     pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False,
                                                    torch_dtype=getattr(torch, cfg.model.dtype))
-    pipe.tokenizer = load_tokenizer(folder / "tokenizer")  # model_max_length=77 (transformers 5 trap)
+    pipe.tokenizer = load_tokenizer_folder(folder / "tokenizer")  # model_max_length=77 (transformers 5 trap)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -102,7 +105,6 @@ def clip_score(images: np.ndarray, prompts: list[str], clip_path: str | None) ->
         print(f"[diffrlhf] CLIP score skipped: no CLIP weights at {name!r} on this machine ({type(e).__name__}); "
               "pass --clip PATH to a local CLIP folder")
         return None
-    from diffrlhf.rewards.preprocess import clip_preprocess  # CLIP's resize/crop/normalise, torch only
 
     with torch.no_grad():
         pix = clip_preprocess(images, model.config.vision_config.image_size)
@@ -113,8 +115,6 @@ def clip_score(images: np.ndarray, prompts: list[str], clip_path: str | None) ->
 
 
 def cmd_eval(run_dir, which: str = "latest", n: int = 4, clip: str | None = None, out: str | None = None) -> dict:
-    from diffrlhf.rewards import build_reward
-
     cfg = run_config(run_dir)
     reward = build_reward(cfg.reward.spec)
     result = {"run": str(run_dir), "lora": lora_folder(run_dir, which).name, "reward": str(cfg.reward.spec), "splits": {}}

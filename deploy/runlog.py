@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from diffrlhf.actors.observe import maybe_wandb
 
 
 def make_run_dir(cfg) -> Path:
@@ -51,7 +52,6 @@ class RunLogger:
                 self.tb = SummaryWriter(str(self.dir / "tb"))
             except Exception as e:  # tensorboard missing: keep going with JSON lines, but say so
                 print(f"[diffrlhf] TensorBoard logging off ({type(e).__name__}: {e})")
-        from diffrlhf.deploy.observe import maybe_wandb
 
         self.wandb = maybe_wandb(cfg, self.dir) if cfg is not None else None
         self.t0 = time.time()

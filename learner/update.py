@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrlhf.actors.ddim import ddim_step_with_logprob, guided_noise_pred
+from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.lora import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from diffrlhf.learner.loss import ppo_clipped_loss
@@ -42,18 +42,6 @@ class UpdateSettings:
     logprob_mode: str = "recorded"  # for replayed rows: recorded | recompute
     eta: float = 1.0
     guidance_scale: float = 5.0
-
-    @classmethod
-    def from_config(cls, cfg) -> "UpdateSettings":
-        t = cfg.train
-        return cls(
-            lr=t.lr, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, weight_decay=t.weight_decay,
-            adam_eps=t.adam_eps, clip_range=t.clip_range, max_grad_norm=t.max_grad_norm,
-            timestep_fraction=t.timestep_fraction, inner_epochs=t.inner_epochs, batch_size=t.batch_size,
-            grad_accum_steps=t.grad_accum_steps, weighting=cfg.weighting.scheme,
-            gaussian_width=cfg.weighting.gaussian_width, logprob_mode=cfg.replay.logprob_mode,
-            eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale,
-        )
 
 
 class PolicyLearner:
@@ -99,17 +87,17 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, batch: TrajectoryBatch, num_replayed: int = 0) -> dict:
-        """Train one epoch on `batch`, whose last `num_replayed` rows are replay; bumps version."""
+    def update(self, batch: TrajectoryBatch) -> dict:
+        """Train one epoch on `batch` (fresh rows and rows marked `replayed`); bumps version."""
         s = self.s
         if torch.isnan(batch.advantages).any():
             raise ValueError("PolicyLearner.update needs advantages for every trajectory")
         self._set_schedule(batch)
         b, t_total = len(batch), batch.num_steps
         old_logp = batch.log_probs.clone()
-        is_replay = torch.zeros(b, dtype=torch.bool)
+        is_replay = batch.replayed.clone()
+        num_replayed = int(is_replay.sum())
         if num_replayed:
-            is_replay[b - num_replayed:] = True
             if s.logprob_mode == "recompute":
                 old_logp[is_replay] = self.recompute_log_probs(batch.select(torch.nonzero(is_replay).flatten()))
         w = timestep_weights(s.weighting, batch.latents, batch.timesteps, self.c.scheduler, s.eta, s.gaussian_width)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrlhf.actors.ddim import ddim_std
+from diffrlhf.policy.ddim import ddim_std
 
 SCHEMES = ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late")
 _GAUSSIAN_CENTRES = {"gaussian_early": 0.0, "gaussian_mid": 0.5, "gaussian_late": 1.0}

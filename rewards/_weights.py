@@ -11,8 +11,11 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-# Where `diffrlhf fetch-weights` puts files by default; searched by every reward.
-DIFFRLHF_CACHE = Path(os.environ.get("DIFFRLHF_CACHE", Path.home() / ".cache" / "diffrlhf"))
+def cache_dir() -> Path:
+    """The project's one cache root: $DIFFRLHF_CACHE, else ~/.cache/diffrlhf. `diffrlhf fetch-weights`
+    puts reward weights here (searched by every reward), and built tiny models live here. Read at
+    each call so a changed environment (tests, a Ray actor's env) is honoured."""
+    return Path(os.environ.get("DIFFRLHF_CACHE", Path.home() / ".cache" / "diffrlhf"))
 
 
 class MissingWeightsError(FileNotFoundError):
@@ -80,7 +83,7 @@ def find_weight_file(
             return str(p)
         raise MissingWeightsError(reward, filename, searched, hint)
     names = [filename, *alt_names]
-    for d in [*local_dirs, DIFFRLHF_CACHE / reward]:
+    for d in [*local_dirs, cache_dir() / reward]:
         for n in names:
             p = Path(d).expanduser() / n
             searched.append(str(p))

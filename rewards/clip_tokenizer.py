@@ -1,9 +1,10 @@
-"""OpenAI/open_clip CLIP tokenizer, offline.
+"""OpenAI/open_clip CLIP tokenizer, offline: the one place the CLIP vocabulary is found and written.
 
 The BPE vocabulary ships inside the `openai-clip` package (bpe_simple_vocab_16e6.txt.gz). We
-turn it into vocab.json + merges.txt the same way open_clip's SimpleTokenizer builds its encoder,
-and load transformers.CLIPTokenizer from that folder (transformers 5 ignores vocab_file=/
-merges_file= kwargs, so from_pretrained(folder) is the only reliable route).
+turn it into vocab.json + merges.txt the same way CLIP's SimpleTokenizer builds its encoder, and
+load transformers.CLIPTokenizer from that folder (transformers 5 ignores vocab_file=/
+merges_file= kwargs, so from_pretrained(folder) is the only reliable route). SD1.5's own
+tokenizer (the models' `tokenizer/` folder) and the CLIP-based rewards both use it.
 
 Token layout follows open_clip.tokenize: [SOT] + bpe + [EOT], truncated to the context length
 with EOT forced into the last slot, padded with 0.
@@ -11,12 +12,15 @@ with EOT forced into the last slot, padded with 0.
 
 from __future__ import annotations
 
+import gzip
 import html
 import importlib.util
+import json
 import os
 import re
 import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -31,20 +35,61 @@ def default_bpe_path() -> str:
         p = os.path.join(base, "bpe_simple_vocab_16e6.txt.gz")
         if os.path.isfile(p):
             return p
-    raise FileNotFoundError("bpe_simple_vocab_16e6.txt.gz not found: install the `openai-clip` package "
-                            "or pass bpe_path=")
+    raise FileNotFoundError("the CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz) comes from the `openai-clip` "
+                            "package, which is not installed here: pip install openai-clip (or pass bpe_path=)")
 
 
 @lru_cache(maxsize=2)
 def load_clip_tokenizer(bpe_path: str | None = None):
     from transformers import CLIPTokenizer
 
-    from diffrlhf.actors.models import write_clip_tokenizer  # one builder of the CLIP vocabulary
-
     with tempfile.TemporaryDirectory() as d:
         write_clip_tokenizer(d, bpe_path or default_bpe_path())
         # A huge model_max_length: we truncate ourselves (open_clip style), so no length warning.
         return CLIPTokenizer.from_pretrained(d, model_max_length=10**9)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2/CLIP's reversible byte -> printable unicode map.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def write_clip_tokenizer(folder: Path, bpe_path: str | Path | None = None) -> Path:
+    """Write OpenAI CLIP's real tokenizer (vocab.json, merges.txt) in transformers' format.
+
+    Built from the BPE file exactly as CLIP's SimpleTokenizer does, so ids match OpenAI CLIP's.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    merges = gzip.open(bpe_path or default_bpe_path()).read().decode("utf-8").split("\n")
+    merges = [tuple(m.split()) for m in merges[1 : 49152 - 256 - 2 + 1]]
+    vocab = list(_bytes_to_unicode().values())
+    vocab = vocab + [v + "</w>" for v in vocab]
+    vocab += ["".join(m) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    special = dict(bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    (folder / "special_tokens_map.json").write_text(json.dumps(special))
+    # model_max_length must be set here: transformers 5 otherwise leaves it huge and the pipeline overflows.
+    cfg = dict(special, model_max_length=77, do_lower_case=True, tokenizer_class="CLIPTokenizer")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def load_tokenizer_folder(folder: str | Path):
+    from transformers import CLIPTokenizer
+
+    # from_pretrained, not CLIPTokenizer(vocab_file=...): the latter silently ignores the files in transformers 5.
+    return CLIPTokenizer.from_pretrained(str(folder), model_max_length=77)
 
 
 def _clean(text: str) -> str:

@@ -12,7 +12,7 @@ import os
 import urllib.request
 from pathlib import Path
 
-from ._weights import DIFFRLHF_CACHE
+from ._weights import cache_dir
 
 
 class FetchError(RuntimeError):
@@ -64,7 +64,7 @@ def fetch_weights(name: str, dest: str | None = None, version: str = "v2.1") -> 
     if name == "aesthetic":
         from .aesthetic import DEFAULT_CLIP, WEIGHTS_FILE, WEIGHTS_URL
 
-        mlp = _url(WEIGHTS_URL, Path(dest or DIFFRLHF_CACHE / "aesthetic") / WEIGHTS_FILE)
+        mlp = _url(WEIGHTS_URL, Path(dest or cache_dir() / "aesthetic") / WEIGHTS_FILE)
         clip = _hub_snapshot(DEFAULT_CLIP, os.path.join(dest, "clip-vit-large-patch14") if dest else None,
                              ["config.json", "*.safetensors", "preprocessor_config.json"])
         return {"name": "aesthetic", "weights": mlp, "clip_model": clip if dest else DEFAULT_CLIP}

@@ -95,7 +95,7 @@ def convert_state_dict(sd: dict) -> tuple[dict, dict, dict]:
     return vis, txt, mlp
 
 
-def load_tokenizer(tokenizer: str | None = None):
+def load_bert_tokenizer(tokenizer: str | None = None):
     """BLIP's tokenizer: bert-base-uncased plus bos [DEC] and additional [ENC] (ids 30522, 30523).
     `tokenizer` is a folder with vocab.txt (or a vocab.txt path) or a hub id already in the HF
     cache. transformers 5 ignores BertTokenizer(vocab_file=...), so we always go through
@@ -163,7 +163,7 @@ class ImageRewardScorer:
                                         "intermediate_size", "max_position_embeddings", "layer_norm_eps") if k in mc}
         sd = torch.load(path, map_location="cpu", weights_only=True)
         dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return cls.from_state_dict(sd, load_tokenizer(tokenizer), vision=vision, text=text, device=device, dtype=dt,
+        return cls.from_state_dict(sd, load_bert_tokenizer(tokenizer), vision=vision, text=text, device=device, dtype=dt,
                                    resize=resize)
 
     def preprocess(self, images: np.ndarray) -> torch.Tensor:

@@ -65,8 +65,10 @@ def test_hardmine_is_top_k_from_allowed_epochs_only():
     sel = buf.sample_hardmined(current_epoch=3)
     assert sorted(sel.advantages.abs().tolist(), reverse=True) == [4.0, 3.0, 2.0]
     assert set(sel.policy_version.tolist()) <= {1, 2}
-    batch, n_rep = buf.training_batch(3)
-    assert n_rep == 3 and len(batch) == 7 and batch.policy_version[:4].tolist() == [3] * 4
+    batch = buf.training_batch(3)
+    assert len(batch) == 7 and batch.policy_version[:4].tolist() == [3] * 4
+    assert batch.replayed.tolist() == [False] * 4 + [True] * 3  # the replayed rows, marked in the batch
+    assert not buf.epochs[1].replayed.any() and not buf.epochs[2].replayed.any()  # the stored epochs stay fresh
 
 
 def test_random_replay_and_none():
@@ -76,7 +78,7 @@ def test_random_replay_and_none():
     sel = buf.sample_random(1)
     assert len(sel) == 2 and set(sel.policy_version.tolist()) == {0}
     buf.mode = "none"
-    assert buf.training_batch(1)[1] == 0
+    assert not buf.training_batch(1).replayed.any()
 
 
 def test_memory_stays_bounded():

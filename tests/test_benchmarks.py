@@ -172,7 +172,7 @@ def test_gpu_bench_tiny_on_cpu(tmp_path):
 def test_study_does_not_reuse_runs_made_on_other_tiny_world_weights(monkeypatch, tmp_path):
     """Retraining the tiny world keeps its name; saved runs on the old weights must be refused."""
     from diffrlhf.deploy.bench import study
-    from diffrlhf.learner import tinyworld
+    from diffrlhf.tinyworld import weights as tinyworld
 
     cfg = study.make_config("full", "jpeg_compressibility", 2, [])
     saved = {"config": study.identity(cfg)}

@@ -68,7 +68,7 @@ def test_a_new_run_does_not_write_into_a_folder_that_holds_one(capsys, tmp_path)
 
 
 def test_missing_prompt_file_is_a_clear_error(tmp_path):
-    from diffrlhf.actors.prompts import load_prompts
+    from diffrlhf.policy.prompts import load_prompts
 
     with pytest.raises(FileNotFoundError, match="one prompt per line"):
         load_prompts(str(tmp_path / "nope.txt"))
@@ -78,7 +78,7 @@ def test_missing_prompt_file_is_a_clear_error(tmp_path):
 
 
 def test_watchdog_flags_idle_roles_stuck_queues_and_flat_reward():
-    from diffrlhf.deploy.observe import Watchdog
+    from diffrlhf.actors.observe import Watchdog
 
     w = Watchdog(role_timeout_s=10, queue_timeout_s=10, flat_epochs=3)
     w.work_done("learner", now=0)

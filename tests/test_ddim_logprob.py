@@ -3,8 +3,8 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from diffrlhf.actors.ddim import ddim_std, ddim_step_with_logprob
-from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG
+from diffrlhf.policy.ddim import ddim_std, ddim_step_with_logprob
+from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG
 
 
 @pytest.fixture()

@@ -1,7 +1,7 @@
 """Sampling, recomputation, the update's direction, LoRA export, on the tiny random model."""
 import torch
 
-from diffrlhf.actors.sampler import sample_trajectories
+from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 
@@ -60,10 +60,11 @@ def test_recompute_mode_makes_replayed_ratio_start_at_one(tiny, small_settings):
     learner.s.logprob_mode = "recorded"
     state = learner.state_dict()
     state = {k: (v if k != "optimizer" else learner.optimizer.state_dict()) for k, v in state.items()}
-    rec = learner.update(batch, num_replayed=4)
+    batch.replayed = torch.ones(4, dtype=torch.bool)
+    rec = learner.update(batch)
     learner.load_state_dict(state)
     learner.s.logprob_mode = "recompute"
-    recomp = learner.update(batch, num_replayed=4)
+    recomp = learner.update(batch)
     assert rec["clipfrac_replay"] > recomp["clipfrac_replay"]
 
 
@@ -109,7 +110,7 @@ def test_reference_loop_runs_a_few_epochs_in_under_a_minute(tiny_folder):
     import time
 
     from diffrlhf.deploy.config import load_config
-    from diffrlhf.learner.reference_loop import run_reference
+    from diffrlhf.actors.reference_loop import run_reference
 
     cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "sample.num_steps=6", "sample.resolution=32",
                                          "sample.batch_size=4", "sample.batches_per_epoch=2", "train.batch_size=4",

@@ -136,9 +136,9 @@ def test_clip_tokenizer_ids_and_truncation():
 
 def test_bert_tokenizer_blip_conventions():
     parity_dir = PARITY_DIR
-    from diffrlhf.rewards.imagereward import load_tokenizer, tokenize
+    from diffrlhf.rewards.imagereward import load_bert_tokenizer, tokenize
 
-    tok = load_tokenizer(str(parity_dir))
+    tok = load_bert_tokenizer(str(parity_dir))
     vocab = (parity_dir / "vocab.txt").read_text().split()
     v = {w: i for i, w in enumerate(vocab)}
     t = tokenize(tok, ["A photo of a cat", "cat " * 50])
@@ -221,7 +221,7 @@ def empty_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("HPS_ROOT", raising=False)
-    monkeypatch.setattr(w, "DIFFRLHF_CACHE", tmp_path / "dcache")
+    monkeypatch.setenv("DIFFRLHF_CACHE", str(tmp_path / "dcache"))
     return tmp_path
 
 

@@ -54,9 +54,9 @@ def hps_ref():
 
 @pytest.fixture(scope="module")
 def ir_scorers(ir_ref):
-    from diffrlhf.rewards.imagereward import ImageRewardScorer, load_tokenizer
+    from diffrlhf.rewards.imagereward import ImageRewardScorer, load_bert_tokenizer
 
-    sd, tok = upstream_state_dict(ir_ref), load_tokenizer(str(DATA))
+    sd, tok = upstream_state_dict(ir_ref), load_bert_tokenizer(str(DATA))
     return {b: ImageRewardScorer.from_state_dict(sd, tok, vision=ir_vision(ir_ref), text=ir_ref["text"], resize=b)
             for b in ("pil", "torch")}
 
@@ -80,9 +80,9 @@ def hps_scorer(hps_ref):
 
 
 def test_imagereward_tokens_match_package(ir_ref):
-    from diffrlhf.rewards.imagereward import load_tokenizer, tokenize
+    from diffrlhf.rewards.imagereward import load_bert_tokenizer, tokenize
 
-    assert tokenize(load_tokenizer(str(DATA)), ir_ref["prompts"]).input_ids.tolist() == ir_ref["input_ids"]
+    assert tokenize(load_bert_tokenizer(str(DATA)), ir_ref["prompts"]).input_ids.tolist() == ir_ref["input_ids"]
 
 
 def test_imagereward_matches_package_pil_resize(ir_ref, ir_scorers):

@@ -32,7 +32,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def reference_run():
-    from diffrlhf.learner.reference_loop import run_reference
+    from diffrlhf.actors.reference_loop import run_reference
 
     cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0")
     threads = torch.get_num_threads()

@@ -3,15 +3,17 @@ import numpy as np
 import pytest
 import torch
 
-from diffrlhf.actors.models import ModelNotFoundError, build_tiny_components, load_components
-from diffrlhf.learner import tinyworld as tw
+from diffrlhf.policy.models import ModelNotFoundError, load_components, resolve_model
+from diffrlhf.tinyworld import scenes as tw
+from diffrlhf.tinyworld import weights as tww
+from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, build_tiny_components
 
 
 @pytest.fixture(scope="module")
 def tiny_world_folder(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("DIFFRLHF_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield tw.ensure_tiny_world()
+    yield tww.ensure_tiny_world()
     mp.undo()
 
 
@@ -107,29 +109,29 @@ def test_split_is_disjoint():
 
 
 def test_committed_weights_match_recorded_digest():
-    assert tw.weights_digest() == tw.recorded_digest()
-    total = sum(f.stat().st_size for f in tw.WEIGHTS_DIR.rglob("*") if f.is_file())
+    assert tww.weights_digest() == tww.recorded_digest()
+    total = sum(f.stat().st_size for f in tww.WEIGHTS_DIR.rglob("*") if f.is_file())
     assert total < 5_000_000
 
 
 def test_missing_weights_say_how_to_rebuild(tmp_path, monkeypatch):
-    monkeypatch.setattr(tw, "WEIGHTS_DIR", tmp_path)
-    with pytest.raises(ModelNotFoundError, match="pretrain_tiny"):
-        tw.ensure_tiny_world()
+    monkeypatch.setattr(tww, "WEIGHTS_DIR", tmp_path)
+    with pytest.raises(ModelNotFoundError, match=r"python -m diffrlhf\.tinyworld\.pretrain"):
+        resolve_model("tiny-world")
 
 
 def test_corrupted_weights_are_refused(tmp_path, monkeypatch):
     import shutil
 
-    shutil.copytree(tw.WEIGHTS_DIR, tmp_path / "w")
+    shutil.copytree(tww.WEIGHTS_DIR, tmp_path / "w")
     f = tmp_path / "w" / "unet" / "weights.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
     f.write_bytes(bytes(data))  # e.g. a git-lfs pointer or a truncated copy
-    monkeypatch.setattr(tw, "WEIGHTS_DIR", tmp_path / "w")
+    monkeypatch.setattr(tww, "WEIGHTS_DIR", tmp_path / "w")
     monkeypatch.setenv("DIFFRLHF_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelNotFoundError, match="does not match"):
-        tw.ensure_tiny_world()
+        resolve_model("tiny-world")
 
 
 def test_assembled_folder_loads_with_clip_tokenizer(tiny_world_folder, monkeypatch):
@@ -139,14 +141,14 @@ def test_assembled_folder_loads_with_clip_tokenizer(tiny_world_folder, monkeypat
     assert comps.tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
     assert comps.vae_scale_factor == 8
     # Assembling twice gives the same folder (no rebuild, no second copy).
-    assert tw.ensure_tiny_world() == tiny_world_folder
+    assert tww.ensure_tiny_world() == tiny_world_folder
 
 
 def test_the_tiny_world_denoises(tiny_world_folder):
     """The embedded default is a working diffusion model, not a random one: its noise prediction at
     high noise has std ~1 and is accurate, and sampled latents have the data's latent scale.
     (A random tiny UNet predicts noise with std ~0.3 and its final latents have std ~14.)"""
-    from diffrlhf.actors.sampler import SamplingSettings, sample_trajectories
+    from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
 
     comps = load_components(str(tiny_world_folder))
     g = torch.Generator().manual_seed(0)
@@ -167,13 +169,13 @@ def test_the_tiny_world_denoises(tiny_world_folder):
 def test_pretraining_script_runs_and_writes_a_loadable_model(tmp_path, monkeypatch):
     """The script that made the committed weights runs end to end (at a few steps) and what it
     writes verifies against its recorded digest, assembles and samples."""
-    from diffrlhf.learner import pretrain_tiny
+    from diffrlhf.tinyworld import evaluate as tw_eval, pretrain as pretrain_tiny
 
     out = tmp_path / "tw"
     info = pretrain_tiny.pretrain(out, seed=1, n_images=64, vae_steps=3, unet_steps=3, text_steps=3)
-    assert info["sha256"] == tw.weights_digest(out) == tw.recorded_digest(out)
+    assert info["sha256"] == tww.weights_digest(out) == tww.recorded_digest(out)
     folder = tmp_path / "assembled"
-    tw._assemble(out, folder)
+    tww.assemble_folder(out, folder)
     comps = load_components(str(folder))
     assert comps.vae.config.scaling_factor == pytest.approx(info["vae_scaling_factor"])
     # The text encoder's token embedding is its seeded init, rounded to the stored int8.
@@ -182,7 +184,7 @@ def test_pretraining_script_runs_and_writes_a_loadable_model(tmp_path, monkeypat
     raw = ref_te.get_input_embeddings().weight.detach()
     assert not torch.equal(emb, raw)  # quantised, not the raw init
     assert float((emb - raw).abs().max()) < 1e-3
-    imgs = pretrain_tiny.sample(pretrain_tiny.load_pipeline(folder), ["a red circle"], seed=0, steps=2)[0]
+    imgs = tw_eval.sample(tw_eval.load_pipeline(folder), ["a red circle"], seed=0, steps=2)[0]
     assert imgs.shape == (1, 64, 64, 3)
 
 
@@ -192,11 +194,11 @@ def test_the_tiny_world_follows_its_captions(tiny_world_folder):
     the shape (1 in 8). Measured: on these 16 samples background 100%, shape 75%; on 256
     (RESULTS.md) 98% and 59%. A model that ignores its text scores ~10% (the first pretraining
     recipe: 8-20%); the weights before the RGB-corner palette scored 81% and 56% here."""
-    from diffrlhf.learner import pretrain_tiny
+    from diffrlhf.tinyworld import evaluate as tw_eval, pretrain as pretrain_tiny
 
-    pipe = pretrain_tiny.load_pipeline(tiny_world_folder)
+    pipe = tw_eval.load_pipeline(tiny_world_folder)
     scenes = tw.eval_scenes("heldout", 16)
-    imgs, _ = pretrain_tiny.sample(pipe, [s.caption() for s in scenes], seed=1000)
+    imgs, _ = tw_eval.sample(pipe, [s.caption() for s in scenes], seed=1000)
     shape_ok, background_ok = np.mean([tw.colour_check(im, s) for im, s in zip(imgs, scenes)], axis=0)
     assert background_ok >= 0.8, background_ok
     assert shape_ok >= 0.4, shape_ok
@@ -208,8 +210,7 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio():
     all ones when the weighting is off."""
     from diffusers import DDIMScheduler
 
-    from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG
-    from diffrlhf.learner.pretrain_tiny import min_snr_weights
+    from diffrlhf.tinyworld.pretrain import min_snr_weights
 
     alphas_cumprod = DDIMScheduler(**SD15_SCHEDULER_CONFIG).alphas_cumprod  # the sampler's, = training's betas
     betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
@@ -226,7 +227,7 @@ def test_min_snr_weights_cap_the_signal_to_noise_ratio():
 
 def test_unet_training_weights_its_loss_by_min_snr(monkeypatch):
     """train_unet applies min_snr_weights with the gamma it is given, at every step, and its lr."""
-    from diffrlhf.learner import pretrain_tiny
+    from diffrlhf.tinyworld import evaluate as tw_eval, pretrain as pretrain_tiny
 
     calls, real = [], pretrain_tiny.min_snr_weights
     monkeypatch.setattr(pretrain_tiny, "min_snr_weights", lambda ac, t, gamma: calls.append(gamma) or real(ac, t, gamma))
@@ -245,16 +246,16 @@ def test_evaluation_samples_at_the_tiny_presets_guidance(monkeypatch):
     from types import SimpleNamespace
 
     from diffrlhf.deploy.config import load_config
-    from diffrlhf.learner import pretrain_tiny
+    from diffrlhf.tinyworld import evaluate as tw_eval, pretrain as pretrain_tiny
 
-    assert pretrain_tiny.preset_guidance() == load_config("tiny").sample.guidance_scale
+    assert tw_eval.EVAL_GUIDANCE == load_config("tiny").sample.guidance_scale
     seen = []
 
     def fake_pipe(prompts, guidance_scale, latents, **kw):
         seen.append(guidance_scale)
         return SimpleNamespace(images=np.zeros((len(prompts), 64, 64, 3)))
 
-    monkeypatch.setattr(pretrain_tiny, "preset_guidance", lambda: 3.25)  # a value no code hard-codes
-    pretrain_tiny.sample(fake_pipe, ["a red circle"], seed=0)
-    pretrain_tiny.sample(fake_pipe, ["a red circle"], seed=0, cfg=1.0)
+    monkeypatch.setattr(tw_eval, "EVAL_GUIDANCE", 3.25)  # a value no code hard-codes
+    tw_eval.sample(fake_pipe, ["a red circle"], seed=0)
+    tw_eval.sample(fake_pipe, ["a red circle"], seed=0, cfg=1.0)
     assert seen == [3.25, 1.0]

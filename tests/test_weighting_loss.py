@@ -2,7 +2,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG
+from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG
 from diffrlhf.learner.loss import ppo_clipped_loss
 from diffrlhf.learner.weighting import SCHEMES, timestep_weights
 

@@ -7,7 +7,7 @@ Builds SD1.5's UNet (block_out_channels 320/640/1280/1280, 2 layers per block, c
 768, head dim 8), its VAE and a 12-layer 768-wide CLIP text encoder with random weights (speed
 does not depend on the values), attaches the rank-4 LoRA the learner trains, sets PyTorch SDPA
 attention, and measures at 512 px, 50 DDIM steps, CFG 7.5:
-  * sampling images/s through actors/sampler.py::sample_trajectories (the sampler's code path,
+  * sampling images/s through policy/sampler.py::sample_trajectories (the sampler's code path,
     including text encoding and VAE decoding) per batch size;
   * update images/s through learner/update.py::PolicyLearner.update (every timestep trained, CFG,
     optimizer steps included) per train batch size;
@@ -28,8 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
+from diffrlhf.learner.update import PolicyLearner, UpdateSettings
+from diffrlhf.policy.ddim import guided_noise_pred
+from diffrlhf.policy.models import SDComponents
+from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
+from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder, write_clip_tokenizer
+from diffrlhf.rewards.serving import RewardServer
+from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, build_tiny_components
 
 SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
@@ -53,7 +59,6 @@ def build_components(size: str, device: str, dtype):
     from diffusers.models.attention_processor import AttnProcessor2_0
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from diffrlhf.actors.models import SD15_SCHEDULER_CONFIG, SDComponents, build_tiny_components, load_tokenizer, write_clip_tokenizer
 
     torch.manual_seed(0)
     if size == "full":
@@ -69,7 +74,7 @@ def build_components(size: str, device: str, dtype):
         m.to(device, dtype)
     unet.set_attn_processor(AttnProcessor2_0())  # SDPA (flash / memory-efficient kernels where available)
     vae.set_attn_processor(AttnProcessor2_0())
-    tokenizer = load_tokenizer(write_clip_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer"))
+    tokenizer = load_tokenizer_folder(write_clip_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer"))
     return SDComponents(unet, vae, text, tokenizer, scheduler, source=f"random weights ({size})")
 
 
@@ -85,7 +90,6 @@ def count_flops(learner, resolution: int, guidance: float) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrlhf.actors.ddim import guided_noise_pred
 
     c = learner.c
     h = resolution // c.vae_scale_factor
@@ -128,7 +132,6 @@ def peak_memory_gb(device: str):
 def measure_sampling(learner, settings, batches, repeats, device, flops, peak) -> tuple[list, dict]:
     from dataclasses import replace
 
-    from diffrlhf.actors.sampler import sample_trajectories
 
     c, rows, last = learner.c, [], {}
     for b in batches:
@@ -194,7 +197,6 @@ def _free(device: str) -> None:
 
 def scoring_seconds(batch) -> float:
     """JPEG compressibility on this batch's images (CPU): the reward stage for the scale simulation."""
-    from diffrlhf.rewards.serving import RewardServer
 
     server = RewardServer("jpeg_compressibility", batch_size=len(batch))
     t0 = time.perf_counter()
@@ -205,8 +207,6 @@ def scoring_seconds(batch) -> float:
 def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
     import torch
 
-    from diffrlhf.actors.sampler import SamplingSettings, sample_trajectories
-    from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 
     t0 = time.time()
     comps = build_components(args.size, device, getattr(torch, dtype_name))

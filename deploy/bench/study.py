@@ -38,6 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from diffrlhf.actors.reference_loop import run_reference
+from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
+from diffrlhf.policy.prompts import load_prompts
+from diffrlhf.policy.sampler import sample_trajectories
+from diffrlhf.tinyworld import weights as tiny_world_weights
 
 SCHEMES = ["uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late"]
 # suite -> {variant label: (weighting.scheme, replay.mode)}; the first variant is the suite's baseline.
@@ -133,9 +138,8 @@ def identity(cfg) -> dict:
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("seed", "out_dir", "name")}
     if d["model"]["name"] == "tiny-world":
         # The name stays when the committed weights are retrained; runs on other weights don't mix.
-        from diffrlhf.learner.tinyworld import recorded_digest
 
-        d["model"]["weights_sha256"] = recorded_digest()[:16]
+        d["model"]["weights_sha256"] = tiny_world_weights.recorded_digest()[:16]
     return d
 
 
@@ -151,14 +155,10 @@ def check_reusable(path: Path, saved: dict, cfg) -> None:
 
 def evaluate(components, negative_embeds, cfg, n: int, version: int = -1) -> dict:
     """Sample n held-out images (prompts.eval, cycled; fixed noise seeds) and score them."""
-    from diffrlhf.actors.prompts import load_prompts
-    from diffrlhf.actors.sampler import sample_trajectories
-    from diffrlhf.learner.reference_loop import sampling_settings
-    from diffrlhf.rewards.serving import RewardServer
 
     prompts = load_prompts(cfg.prompts.eval)
     all_prompts = [prompts[i % len(prompts)] for i in range(n)]
-    server = RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+    server = reward_server(cfg)
     rewards = []
     bs = cfg.sample.batch_size
     for s in range(0, n, bs):
@@ -171,8 +171,6 @@ def evaluate(components, negative_embeds, cfg, n: int, version: int = -1) -> dic
 
 
 def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
-    from diffrlhf.learner.reference_loop import run_reference
-
     evals, seen = {}, [0]
     t0 = time.time()
 
@@ -215,7 +213,6 @@ def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int, r
     The saved one if it matches; else computed, unless run is False (--report-only)."""
     import json
 
-    from diffrlhf.learner.reference_loop import build_policy
 
     if not eval_samples:
         return None

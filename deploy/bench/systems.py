@@ -33,6 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
+from diffrlhf.actors.driver import Driver
+from diffrlhf.actors.reference_loop import run_reference
+from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker, timed
+from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.rewards.serving import ScoreResult
 
 PARTS = ["overhead", "overlap", "scale", "broadcast"]
 # The driver checkpoints every run.save_every epochs inside its loop; the reference loop never
@@ -75,7 +80,6 @@ def run_reference_timed(cfg, on_epoch=None) -> list[dict]:
     """The reference loop with the actors' torch thread count, so both sides use the same kernels."""
     import torch
 
-    from diffrlhf.learner.reference_loop import run_reference
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.system.torch_threads)
@@ -87,7 +91,6 @@ def run_reference_timed(cfg, on_epoch=None) -> list[dict]:
 
 def run_driver(cfg, worker_classes=None, tag="") -> dict:
     """One Driver run in a scratch folder; returns records, role stats, total and start-up seconds."""
-    from diffrlhf.actors.driver import Driver
 
     with tempfile.TemporaryDirectory(prefix="diffrlhf-bench-") as tmp:
         d = Driver(cfg, Path(tmp) / "run", progress=False, worker_classes=worker_classes)
@@ -202,9 +205,6 @@ def sim_classes(calib: dict) -> dict:
     """
     import torch
 
-    from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker, timed
-    from diffrlhf.buffer.trajectory import TrajectoryBatch
-    from diffrlhf.rewards.serving import ScoreResult
 
     shapes = calib["shapes"]
 
@@ -249,10 +249,9 @@ def sim_classes(calib: dict) -> dict:
 
         @timed
         def update(self, training_batch):
-            batch, n_replayed = training_batch
-            time.sleep(calib["update_s_per_sample"] * len(batch))
+            time.sleep(calib["update_s_per_sample"] * len(training_batch))
             self.version += 1
-            fresh = batch.policy_version[: len(batch) - n_replayed]
+            fresh = training_batch.policy_version[~training_batch.replayed]
             lag = self.version - 1 - fresh
             return ({"simulated": True, "loss": 0.0, "policy_version": self.version, "policy_lag_max": int(lag.max()),
                      "policy_lag_mean": float(lag.double().mean())}, (self.version, self.lora))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrlhf.actors.ddim import ddim_step_with_logprob, guided_noise_pred
+from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 
 

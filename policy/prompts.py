@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from diffrlhf.tinyworld.scenes import captions
+
 PROMPT_DIR = Path(__file__).parent / "prompts"
 
 
@@ -25,8 +27,6 @@ def builtin_prompt_lists() -> list[str]:
 def load_prompts(source: str) -> list[str]:
     """A builtin list name (see builtin_prompt_lists) or a text file with one prompt per line."""
     if source in ("tiny-world-train", "tiny-world-eval"):
-        from diffrlhf.learner.tinyworld import captions
-
         return captions("train" if source.endswith("train") else "heldout")
     if source == "imagenet_animals":  # DDPO's task: the first 398 ImageNet classes are animals
         return _read_lines(PROMPT_DIR / "imagenet_classes.txt")[:398]

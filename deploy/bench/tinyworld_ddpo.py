@@ -1,6 +1,6 @@
 """Does DDPO move JPEG compressibility on the tiny world? A ~10 minute CPU check with the core loop.
 
-    python -m diffrlhf.learner.tinyworld_ddpo_check [--epochs 20] [override ...]
+    python -m diffrlhf.deploy.bench.tinyworld_ddpo [--epochs 20] [override ...]
     e.g. ... train.lr=0.01 train.clip_range=0.01
 
 Runs the single-process reference loop (learner.reference_loop.run_reference) on the `tiny`
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from diffrlhf.actors.reference_loop import run_reference
 
 
 def summarise(records: list[dict], k: int = 3) -> dict:
@@ -51,7 +52,6 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None):
     from diffrlhf.deploy.config import load_config
-    from diffrlhf.learner.reference_loop import run_reference
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=20)

@@ -1,6 +1,6 @@
 """Reward throughput, images/s at a fixed batch size, for every reward.
 
-    python -m diffrlhf.rewards.bench_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
+    python -m diffrlhf.deploy.bench.rewards_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
                                                        [--rewards jpeg_compressibility aesthetic ...]
 
 Learned models use random weights of the real sizes (no downloads): CLIP ViT-L/14 vision tower
@@ -20,6 +20,10 @@ import time
 
 import numpy as np
 import torch
+from diffrlhf.rewards import build_reward
+from diffrlhf.rewards.aesthetic import AestheticMLP, AestheticScorer
+from diffrlhf.rewards.hpsv2 import HPSv2Scorer, build_clip
+from diffrlhf.rewards.imagereward import ImageRewardScorer, build_blip, load_bert_tokenizer
 
 ALL = ["jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "imagereward", "hpsv2"]
 
@@ -27,28 +31,25 @@ ALL = ["jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "imagerewa
 def _bert_tokenizer():
     """bert-base-uncased from the HF cache if present; otherwise a stand-in vocabulary (token ids
     differ, the text length - padded to 35 - and so the compute are the same)."""
-    from .imagereward import load_tokenizer
 
     try:
-        return load_tokenizer(None), "bert-base-uncased (HF cache)"
+        return load_bert_tokenizer(None), "bert-base-uncased (HF cache)"
     except Exception:
         d = tempfile.mkdtemp()
         words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)]
         with open(os.path.join(d, "vocab.txt"), "w") as f:
             f.write("\n".join(words) + "\n")
-        return load_tokenizer(d), "stand-in vocabulary"
+        return load_bert_tokenizer(d), "stand-in vocabulary"
 
 
 def build(name: str):
     """Return (reward_fn, params, note)."""
-    from . import build_reward
 
     if name.startswith("jpeg"):
         return build_reward(name), 0, ""
     if name == "aesthetic":
         from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-        from .aesthetic import AestheticMLP, AestheticScorer
 
         cfg = CLIPVisionConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
                                patch_size=14, image_size=224, projection_dim=768, hidden_act="quick_gelu")
@@ -56,8 +57,6 @@ def build(name: str):
         fn = AestheticScorer(clip, AestheticMLP())
         return build_reward(fn), sum(p.numel() for p in clip.parameters()), "CLIP ViT-L/14 vision tower + MLP"
     if name == "imagereward":
-        from .aesthetic import AestheticMLP
-        from .imagereward import ImageRewardScorer, build_blip
 
         vis, txt = build_blip()
         tok, note = _bert_tokenizer()
@@ -65,7 +64,6 @@ def build(name: str):
         n = sum(p.numel() for m in (vis, txt) for p in m.parameters())
         return build_reward(fn), n, f"BLIP ViT-L/16 + BERT-base cross-attn, {note}"
     if name == "hpsv2":
-        from .hpsv2 import HPSv2Scorer, build_clip
 
         model = build_clip()
         return build_reward(HPSv2Scorer(model)), sum(p.numel() for p in model.parameters()), "ViT-H-14 CLIPModel"

@@ -1,4 +1,4 @@
-"""The tiny world: a procedural captioned image set and the small SD1.5-architecture model trained on it.
+"""The tiny world's data: a procedural captioned image set, its split, and the automatic colour check.
 
 Images are 64 px pictures of coloured shapes (circle, square, triangle, star; one or two; small or
 large; plain, striped, checkered or noisy) on a plain-colour or gradient background, rendered with
@@ -8,28 +8,17 @@ striped ones do not, so compressibility rewards have room to move in both direct
 
 The split is by (colour, shape) pair: HELDOUT_PAIRS never appear in training images, so held-out
 captions test composition of words the model has seen only in other combinations.
-
-`ensure_tiny_world()` assembles the committed fp16 weights in ``tiny_world/`` into a standard
-diffusers folder in the cache, which `actors.models.load_components("tiny-world")` and diffusers'
-StableDiffusionPipeline both load.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 RES = 64
 # The corners of the RGB cube: a blend of two of them (a shape's antialiased edge, a blurry
-# sample) is read as one of the two or as neither, never as a third. With orange and purple in
-# place of cyan and magenta, a yellow shape's edge on red read as orange, and most misses of the
-# colour check were such neighbours (RESULTS.md, section 2).
+# sample) is read as one of the two or as neither, never as a third (RESULTS.md, section 2).
 PALETTE = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
@@ -42,7 +31,7 @@ PALETTE = {
 }
 COLOURS = list(PALETTE)
 SHAPES = ["circle", "square", "triangle", "star"]
-SIZES = ["small", "large"]
+SHAPE_SIZES = ["small", "large"]
 COUNTS = [1, 2]
 TEXTURES = ["plain", "striped", "checkered", "noisy"]
 BACKGROUNDS = COLOURS + ["gradient"]
@@ -53,8 +42,6 @@ HELDOUT_PAIRS = {
 }
 PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars"}
 
-WEIGHTS_DIR = Path(__file__).parent / "tiny_world"
-PRETRAIN_COMMAND = "python -m diffrlhf.learner.pretrain_tiny --out learner/tiny_world"
 
 
 @dataclass(frozen=True)
@@ -98,7 +85,7 @@ def random_scene(rng: np.random.Generator, split: str = "train") -> Scene:
     return Scene(
         colour=colour,
         shape=shape,
-        size=SIZES[rng.integers(2)],
+        size=SHAPE_SIZES[rng.integers(2)],
         count=COUNTS[rng.integers(2)],
         texture=TEXTURES[rng.integers(len(TEXTURES))],
         background=bgs[rng.integers(len(bgs))],
@@ -314,81 +301,3 @@ def colour_check(img: np.ndarray, scene: Scene, classify=palette_classes) -> tup
     rest[bg_i] = -1
     fg_ok = bool(rest.argmax() == fg_i and counts[fg_i] >= 0.01 * img.shape[0] * img.shape[1])
     return fg_ok, bg_ok
-
-
-# ----------------------------------------------------------------------------- assembling the model folder
-
-
-def weight_files(folder: Path | None = None) -> list[Path]:
-    return sorted(p for p in Path(folder or WEIGHTS_DIR).rglob("*.safetensors"))
-
-
-def weights_digest(folder: Path | None = None) -> str:
-    """sha256 over the committed weight files' relative paths and bytes."""
-    folder = Path(folder or WEIGHTS_DIR)
-    h = hashlib.sha256()
-    for f in weight_files(folder):
-        h.update(f.relative_to(folder).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def recorded_digest(folder: Path | None = None) -> str:
-    """The sha256 pretrain_tiny.py recorded in info.json when it wrote the weights."""
-    return json.loads((Path(folder or WEIGHTS_DIR) / "info.json").read_text())["sha256"]
-
-
-def _missing_error(why: str):
-    from diffrlhf.actors.models import ModelNotFoundError
-
-    return ModelNotFoundError(
-        f"the tiny-world weights are not usable ({why}; looked in {WEIGHTS_DIR}). Rebuild them "
-        f"(about 15 min on 2 CPU cores) with `{PRETRAIN_COMMAND}` from the repository root, "
-        "or restore learner/tiny_world/ from git."
-    )
-
-
-def _assemble(src: Path, dst: Path) -> None:
-    """Write a standard fp32 diffusers folder at dst from the compact committed files in src."""
-    from safetensors.torch import load_file, save_file
-
-    from diffrlhf.actors.models import write_clip_tokenizer
-
-    for sub, name in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]:
-        (dst / sub).mkdir(parents=True)
-        shutil.copy(src / sub / "config.json", dst / sub / "config.json")
-        sd = load_file(str(src / sub / "weights.safetensors"))
-        # The token embedding is stored as int8 with one fp32 scale (it is a frozen random init,
-        # so this is exact: training used the dequantised values). Everything else is fp16.
-        for key in [k for k in sd if k.endswith(".int8")]:
-            base = key[: -len(".int8")]
-            sd[base] = sd.pop(key).float() * sd.pop(base + ".scale")
-        sd = {k: v.float().contiguous() for k, v in sd.items()}
-        save_file(sd, str(dst / sub / f"{name}.safetensors"))
-    (dst / "scheduler").mkdir()
-    shutil.copy(src / "scheduler" / "scheduler_config.json", dst / "scheduler" / "scheduler_config.json")
-    write_clip_tokenizer(dst / "tokenizer")
-    shutil.copy(src / "model_index.json", dst / "model_index.json")
-
-
-def ensure_tiny_world() -> Path:
-    """Assemble (once) and return the diffusers folder of the pretrained tiny-world model."""
-    from diffrlhf.actors.models import cache_dir
-
-    if len(weight_files()) < 3 or not all((WEIGHTS_DIR / f).exists() for f in ("model_index.json", "info.json")):
-        raise _missing_error("weight files missing")
-    digest = weights_digest()
-    if digest != recorded_digest():
-        # E.g. git-lfs pointers instead of the files, or a half-finished retrain.
-        raise _missing_error(f"sha256 {digest[:16]} does not match the recorded {recorded_digest()[:16]}")
-    folder = cache_dir() / f"tiny-world-{digest[:12]}"
-    if not (folder / "model_index.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        _assemble(WEIGHTS_DIR, tmp)
-        try:
-            tmp.rename(folder)  # atomic: concurrent Ray actors never see half a folder
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process got there first
-    return folder

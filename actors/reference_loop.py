@@ -1,0 +1,68 @@
+"""The single-process reference loop: sample -> score -> advantages -> replay -> update, repeat.
+
+It calls exactly the functions the distributed system's actors wrap, in the synchronous DDPO
+order, and is the correctness baseline (the Ray system with max_policy_lag=0 must reproduce its
+numbers) and the yardstick for the system's overhead.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diffrlhf.actors.settings import advantage_computer, build_policy, replay_buffer, reward_server, sampling_settings
+from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
+from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.policy.prompts import load_prompts, plan_batch
+from diffrlhf.policy.sampler import sample_trajectories
+
+
+def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> list[dict]:
+    """Run cfg.train.epochs epochs in this process; returns one record per epoch."""
+    torch.manual_seed(cfg.run.seed)
+    comps, learner = build_policy(cfg)
+    settings = sampling_settings(cfg)
+    rewards = reward_server(cfg)
+    advantages = advantage_computer(cfg)
+    buffer = replay_buffer(cfg)
+    prompt_list = load_prompts(cfg.prompts.train)
+    records = []
+    bar = _progress(cfg.train.epochs, progress)
+    for epoch in range(cfg.train.epochs):
+        t0 = time.time()
+        parts = []
+        for bi in range(cfg.sample.batches_per_epoch):
+            plan = plan_batch(prompt_list, cfg.run.seed, epoch, bi, cfg.sample.batch_size,
+                              cfg.sample.batches_per_epoch, cfg.sample.samples_per_prompt)
+            parts.append(sample_trajectories(comps, plan.prompts, plan.seeds, settings, learner.version,
+                                             plan.sample_ids, learner.negative_embeds))
+        t_sample = time.time() - t0
+        sampled = TrajectoryBatch.cat(parts)
+        score = rewards.score(sampled.sample_ids.tolist(), sampled.images.numpy(), sampled.prompts)
+        t_score = time.time() - t0 - t_sample
+        batch, _ = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards)], advantages, buffer)
+        upd = learner.update(buffer.training_batch(epoch))
+        rec = epoch_record(epoch, batch.rewards, rewards.num_queries, upd, reward_dropped=rewards.num_dropped,
+                           time_sample=t_sample, time_score=t_score, time_update=time.time() - t0 - t_sample - t_score,
+                           time_epoch=time.time() - t0)
+        records.append(rec)
+        if logger is not None:
+            logger.log(rec)
+            if cfg.run.image_grid_every and epoch % cfg.run.image_grid_every == 0:
+                logger.save_grid(batch.images[:16].numpy(), batch.prompts[:16], f"epoch_{epoch:04d}")
+        if on_epoch is not None:
+            on_epoch(epoch, batch, learner)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(queries=rewards.num_queries, reward=f"{rec['reward_mean']:.4f}")
+    if bar is not None:
+        bar.close()
+    return records
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="reference epochs", unit="epoch")

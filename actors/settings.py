@@ -1,0 +1,59 @@
+"""The one place a run config becomes the roles' objects; every entry point (the Ray workers,
+the reference loop, the benchmarks) builds them here, so the roles agree on what a config means.
+"""
+from __future__ import annotations
+
+import torch
+
+from diffrlhf.buffer.advantages import AdvantageComputer
+from diffrlhf.buffer.replay import ReplayBuffer
+from diffrlhf.learner.update import PolicyLearner, UpdateSettings
+from diffrlhf.policy.models import SDComponents, load_components, resolve_device
+from diffrlhf.policy.sampler import SamplingSettings
+from diffrlhf.rewards.serving import RewardServer
+
+
+def sampling_settings(cfg) -> SamplingSettings:
+    s = cfg.sample
+    return SamplingSettings(s.num_steps, s.eta, s.guidance_scale, s.resolution, s.negative_prompt)
+
+
+def update_settings(cfg) -> UpdateSettings:
+    t = cfg.train
+    return UpdateSettings(
+        lr=t.lr, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, weight_decay=t.weight_decay,
+        adam_eps=t.adam_eps, clip_range=t.clip_range, max_grad_norm=t.max_grad_norm,
+        timestep_fraction=t.timestep_fraction, inner_epochs=t.inner_epochs, batch_size=t.batch_size,
+        grad_accum_steps=t.grad_accum_steps, weighting=cfg.weighting.scheme,
+        gaussian_width=cfg.weighting.gaussian_width, logprob_mode=cfg.replay.logprob_mode,
+        eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale,
+    )
+
+
+def load_model(cfg, device: str | None = None) -> SDComponents:
+    return load_components(cfg.model.name, resolve_device(device or cfg.model.device), getattr(torch, cfg.model.dtype))
+
+
+def build_policy(cfg, device: str | None = None) -> tuple[SDComponents, PolicyLearner]:
+    """Base model + LoRA learner, as every role builds it (same seed -> same starting adapter)."""
+    comps = load_model(cfg, device)
+    learner = PolicyLearner(
+        comps, update_settings(cfg), lora_rank=cfg.model.lora_rank,
+        lora_alpha=cfg.model.lora_alpha or None, lora_targets=tuple(cfg.model.lora_targets),
+        seed=cfg.run.seed, negative_prompt=cfg.sample.negative_prompt,
+    )
+    return comps, learner
+
+
+def reward_server(cfg) -> RewardServer:
+    return RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+
+
+def advantage_computer(cfg) -> AdvantageComputer:
+    a = cfg.advantage
+    return AdvantageComputer(a.mode, a.clip_max, a.buffer_size, a.min_count)
+
+
+def replay_buffer(cfg) -> ReplayBuffer:
+    r = cfg.replay
+    return ReplayBuffer(r.max_epochs, r.mode, r.k, seed=cfg.run.seed)

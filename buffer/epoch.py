@@ -1,0 +1,60 @@
+"""One epoch's pipeline after sampling, shared by the reference loop and the Ray buffer actor:
+attach the rewards to the sampled trajectories, finalize the epoch (advantages over all of it,
+then into the replay buffer), and the epoch's record. One implementation, so the two loops
+cannot drift apart.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffrlhf.buffer.advantages import AdvantageComputer
+from diffrlhf.buffer.replay import ReplayBuffer
+from diffrlhf.buffer.trajectory import TrajectoryBatch
+
+
+def attach_rewards(batch: TrajectoryBatch, ids, rewards) -> TrajectoryBatch:
+    """The rows of `batch` that got a reward (by sample id), with it set; rows the reward server
+    dropped (non-finite, nan_policy=drop) are left out."""
+    by_id = dict(zip(ids, np.asarray(rewards).tolist()))
+    keep = [i for i, sid in enumerate(batch.sample_ids.tolist()) if sid in by_id]
+    batch = batch.select(keep)
+    batch.rewards = torch.tensor([by_id[s] for s in batch.sample_ids.tolist()], dtype=torch.float32)
+    return batch
+
+
+class EmptyEpochError(RuntimeError):
+    """Every trajectory of an epoch was lost before training (dropped rewards or batches)."""
+
+
+def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: AdvantageComputer, replay: ReplayBuffer) -> tuple[TrajectoryBatch, dict]:
+    """Advantages over the whole epoch (parts in batch-index order), then store it for replay.
+
+    Returns the scored epoch and its summary (rewards, versions and a few images for the log)."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        raise EmptyEpochError(f"epoch {epoch} has no scored trajectories left to train on: every reward was dropped "
+                              "(reward.nan_policy=drop) or every batch was lost")
+    batch = TrajectoryBatch.cat(parts)
+    batch.advantages = torch.from_numpy(advantages(batch.prompts, batch.rewards.numpy()))
+    replay.add(epoch, batch)
+    summary = {"epoch": epoch, "samples": len(batch), "rewards": batch.rewards.tolist(),
+               "policy_versions": batch.policy_version.tolist(), "images": batch.images[:16].numpy(),
+               "prompts": batch.prompts[:16]}
+    return batch, summary
+
+
+def epoch_record(epoch: int, rewards, queries: int, update: dict, **extra) -> dict:
+    """The metrics line of one trained epoch: reward statistics, the update's metrics, extras."""
+    r = np.asarray(rewards, dtype=np.float64)
+    rec = {
+        "epoch": epoch,
+        "reward_queries": queries,
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "reward_se": float(r.std(ddof=1) / np.sqrt(len(r))) if len(r) > 1 else 0.0,
+        "samples": len(r),
+    }
+    rec.update({k: v for k, v in update.items() if k != "timestep_weights"})
+    rec.update(extra)
+    return rec

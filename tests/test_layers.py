@@ -1,0 +1,76 @@
+"""The dependency direction, enforced: deploy -> actors -> learner -> policy -> tinyworld -> {rewards, buffer}.
+
+Every `diffrlhf` import in the package (module-level and function-local alike) must point to the
+same layer or one below it; rewards and buffer sit side by side at the bottom and import neither
+each other nor anything above. A back-edge fails this test with the file, line and both layers.
+
+A dependency on another layer must be visible at the top of the module. Function-local imports of
+this project's code stay only inside one layer, for lazy loading of heavy modules (the reward
+models, the tiny world's evaluation), and in the command-line entry point, whose commands load only
+what they run (config errors and `diffrlhf presets` answer without importing torch or Ray).
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Highest first. A layer may import itself and any layer with a larger index.
+LAYERS = [("deploy",), ("actors",), ("learner",), ("policy",), ("tinyworld",), ("rewards", "buffer")]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules():
+    for layer in RANK:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            yield layer, path
+
+
+def _diffrlhf_imports(tree):
+    """(line, target layer, at module level?) for each import of diffrlhf.<layer>."""
+    top_level = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + ([f"{node.module}.{a.name}" for a in node.names] if node.module == "diffrlhf" else [])
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "diffrlhf" and len(parts) > 1 and parts[1] in RANK:
+                yield node.lineno, parts[1], id(node) in top_level
+
+
+LAZY_ENTRY_POINTS = {"deploy/cli.py"}
+
+
+def test_every_layer_folder_is_checked():
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} == set(RANK)
+
+
+@pytest.mark.parametrize("layer,path", list(_modules()), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+def test_imports_point_down(layer, path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    back_edges = [f"{path.relative_to(ROOT)}:{line} imports diffrlhf.{target} (layer {RANK[target]}) from {layer} (layer {RANK[layer]})"
+                  for line, target, _ in _diffrlhf_imports(tree)
+                  if RANK[target] < RANK[layer] or (target != layer and RANK[target] == RANK[layer])]
+    assert not back_edges, "imports against the layer order " + " -> ".join("/".join(l) for l in LAYERS) + ":\n" + "\n".join(back_edges)
+
+
+@pytest.mark.parametrize("layer,path", list(_modules()), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
+def test_other_layers_are_imported_at_module_level(layer, path):
+    """A function-local import of another layer hides a dependency (61 of them once hid cycles)."""
+    if str(path.relative_to(ROOT)) in LAZY_ENTRY_POINTS:
+        return
+    tree = ast.parse(path.read_text(), filename=str(path))
+    hidden = [line for line, target, at_top in _diffrlhf_imports(tree) if not at_top and target != layer]
+    assert not hidden, f"{path.relative_to(ROOT)}: imports of other layers inside functions at lines {hidden}; move them to the top"
+
+
+def test_the_check_catches_a_back_edge_and_a_hidden_import(tmp_path):
+    """The checker itself: a policy module importing the learner, inside a function, is flagged twice."""
+    src = "import torch\n\ndef f():\n    from diffrlhf.learner.update import PolicyLearner\n    return PolicyLearner\n"
+    tree = ast.parse(src)
+    found = list(_diffrlhf_imports(tree))
+    assert found == [(4, "learner", False)]
+    assert RANK["learner"] < RANK["policy"]
