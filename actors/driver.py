@@ -1,52 +1,44 @@
-"""The single controller: builds the actors from the config, runs the asynchronous loop, reports.
+"""The single controller: builds the actors from the config and runs the schedule on Ray.
 
-Flow of one batch:  plan -> SamplerActor.sample -> (info, reward input, trajectories)
+Flow of one batch:  plan -> SamplerActor.sample(plan, weights of version v(epoch)) -> (info, reward input, trajectories)
                     reward input -> RewardActor.score -> rewards keyed by sample id
                     trajectories + rewards -> BufferActor.add_scored
 When all batches of an epoch are in: BufferActor.finalize_epoch (advantages, replay) ->
 BufferActor.training_batch -> LearnerActor.update -> (metrics, weights). The weights come back
-as one object in Ray's object store with its version; every later sample call carries that
-reference, so samplers (also restarted ones) always hold the newest weights before sampling.
+as one object in Ray's object store with its version; the driver keeps the ones the untrained
+epochs are sampled with (at most max_policy_lag + 1) and gives each sample call its epoch's.
 
-Asynchrony is bounded: epoch e may be sampled only once the policy version is >= e - max_policy_lag
-(0 = DDPO's synchronous schedule), and each sampler has at most max_inflight_per_sampler batches
-in flight, so no queue grows without bound when a role is slow.
+What to run when is decided by actors/scheduler.py (pure state, no Ray); this module is the shell
+that turns its tasks into actor calls, waits (in slices, so the watchdog speaks), and feeds the
+outcomes back. It also places the actors (failing at once on a request Ray can never satisfy),
+checkpoints, and reports.
 """
 from __future__ import annotations
 
-import collections
 import os
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import ray
 
-from diffrlhf.policy.prompts import load_prompts, plan_batch
+from diffrlhf.actors.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from diffrlhf.actors.observe import RunMetrics, Watchdog
+from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask,
+                                       resource_problems, role_requests)
+from diffrlhf.actors.settings import reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
+from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
+from diffrlhf.policy.prompts import load_prompts, plan_batch
 
+__all__ = ["Driver", "RunFailed", "init_ray"]
 
-class RunFailed(RuntimeError):
-    """The run cannot go on (a dead learner or buffer, a bad reward, nothing progressing)."""
-
-
-@dataclass
-class _Pending:
-    kind: str  # sample | score | add | update | finalize
-    epoch: int
-    batch_index: int = -1
-    actor: int = -1
-    attempt: int = 0
-    since: float = field(default_factory=time.time)
-    refs: tuple = ()
+PING_AGAIN_S = 0.5  # a restarting actor is asked again after this long
+START_REPORT_S = 30.0  # while actors start, say every this long which are still pending and why
+WORK_ROLE = {SampleTask: "samplers", ScoreTask: "rewards", AddTask: "buffer", UpdateTask: "learner"}
 
 
 def init_ray(cfg, num_gpus: float | None = None, quiet: bool = True):
     """Connect to RAY_ADDRESS (cluster, `ray job submit`) or start a local Ray sized for the config."""
-    import ray
-
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -63,311 +55,296 @@ def init_ray(cfg, num_gpus: float | None = None, quiet: bool = True):
 
 class Driver:
     def __init__(self, cfg, run_dir: str | Path, logger=None, progress: bool = True, resume: bool = False,
-                 worker_classes: dict | None = None, on_update=None):
-        """worker_classes overrides a role's class (tests inject failing samplers); on_update(driver,
-        epoch) is called after each update (tests kill actors there)."""
+                 resume_state: dict | None = None, worker_classes: dict | None = None, on_update=None):
+        """resume_state: a checkpoint's state (actors.checkpoint.load_checkpoint) to continue from;
+        resume=True loads it from run_dir instead. worker_classes overrides a role's class (tests
+        inject failing workers); on_update(driver, epoch) is called after each update (tests kill
+        actors or stop the run there)."""
         self.cfg, self.run_dir, self.logger, self.progress = cfg, Path(run_dir), logger, progress
         self.worker_classes, self.on_update = worker_classes or {}, on_update
         self.ckpt_dir = self.run_dir / "checkpoint"
-        self.resume = resume
+        self.resume, self.resume_state = resume, resume_state
         self.prompts = load_prompts(cfg.prompts.train)  # a bad prompt list fails before any actor starts
-        # reward_queries: queries that produced the trained epochs (the x-axis of sample efficiency);
-        # reward_queries_total: every query made, including epochs in flight and work lost to faults.
-        self.counters = dict(epochs_done=0, reward_queries=0, reward_queries_total=0, reward_dropped=0, batches_dropped=0,
-                             sample_retries=0, score_retries=0, actor_deaths=0)
+        self.sched = EpochScheduler.from_config(cfg)
         self.records: list[dict] = []
         self.role_stats: list[dict] = []
-
         self.metrics = RunMetrics()
         self.watchdog = Watchdog(role_timeout_s=cfg.system.idle_timeout_s / 2, queue_timeout_s=cfg.system.idle_timeout_s / 2)
 
+    @property
+    def counters(self) -> dict:
+        return self.sched.counters
+
+    def dropped_summary(self) -> str:
+        """The epochs that trained on fewer samples than planned, as a block of lines ('' if none)."""
+        return self.sched.dropped_summary()
+
     # ------------------------------------------------------------------ actors
 
-    def _options(self, role: str, cpus: float, gpus: float, restarts: int = 0) -> dict:
-        opts = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0)
-        if self.cfg.system.use_role_resources:
-            opts["resources"] = {role: 0.001}
+    def _options(self, role: str, restarts: int = 0) -> dict:
+        ask = dict(self.requests[role][1])
+        opts = dict(num_cpus=ask.pop("CPU", 0), num_gpus=ask.pop("GPU", 0), max_restarts=restarts, max_task_retries=0)
+        if ask:
+            opts["resources"] = ask
         return opts
 
+    def check_placement(self) -> None:
+        """Every role's request against what the cluster has, before any actor is created: locally
+        an impossible request is an error at once; on a cluster (which may autoscale) a warning."""
+        self.requests = role_requests(self.cfg)
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        problems = resource_problems(self.requests, ray.cluster_resources(), nodes)
+        if not problems:
+            return
+        text = "\n  ".join(problems)
+        if not os.environ.get("RAY_ADDRESS"):
+            raise RunFailed(f"this local Ray can never start every actor the config asks for:\n  {text}")
+        print(f"[diffrlhf] the cluster cannot place every actor yet (waiting for it to scale, up to "
+              f"system.start_timeout_s={self.cfg.system.start_timeout_s:g}s):\n  {text}")
+
     def start_actors(self) -> None:
-        import ray
-
-
         s, cfg = self.cfg.system, self.cfg
+        self.check_placement()
         classes = {**dict(sampler=SamplerWorker, reward=RewardWorker, buffer=BufferWorker, learner=LearnerWorker), **self.worker_classes}
-        self.Sampler, self.Reward = ray.remote(classes["sampler"]), ray.remote(classes["reward"])
-        self.learner = ray.remote(classes["learner"]).options(**self._options("learner", s.learner_cpus, s.learner_gpus)).remote(cfg)
-        self.buffer = ray.remote(classes["buffer"]).options(**self._options("buffer", 0, 0)).remote(cfg)
-        self.samplers = [self.Sampler.options(**self._options("sampler", s.sampler_cpus, s.sampler_gpus, s.max_actor_restarts)).remote(cfg, i)
+        self.learner = ray.remote(classes["learner"]).options(**self._options("learner")).remote(cfg)
+        self.buffer = ray.remote(classes["buffer"]).options(**self._options("buffer")).remote(cfg)
+        self.samplers = [ray.remote(classes["sampler"]).options(**self._options("sampler", s.max_actor_restarts)).remote(cfg, i)
                          for i in range(s.num_samplers)]
-        ropts = self._options("reward", s.reward_cpus, s.reward_gpus, s.max_actor_restarts)
-        if cfg.reward.runtime_env:
-            ropts["runtime_env"] = cfg.reward.runtime_env
-        self.rewards = [self.Reward.options(**ropts).remote(cfg, i) for i in range(s.num_reward_actors)]
-        # Fail early and clearly if a role cannot even start (bad weights, missing packages).
-        for name, actor in [("learner", self.learner), ("buffer", self.buffer)] + [(f"sampler-{i}", a) for i, a in enumerate(self.samplers)] + [(f"reward-{i}", a) for i, a in enumerate(self.rewards)]:
-            try:
-                ray.get(actor.ping.remote(), timeout=s.start_timeout_s)
-            except Exception as e:
-                raise RunFailed(f"the {name} actor failed to start: {_short(e)}") from None
+        ropts = self._options("reward", s.max_actor_restarts)
+        env = reward_runtime_env(cfg)
+        if env:
+            ropts["runtime_env"] = env
+        self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(cfg, i) for i in range(s.num_reward_actors)]
+        # Fail early and clearly if a role cannot even start (bad weights, missing packages); say what is pending.
+        names = [("learner", "learner", self.learner), ("buffer", "buffer", self.buffer)]
+        names += [(f"sampler-{i}", "sampler", a) for i, a in enumerate(self.samplers)]
+        names += [(f"reward-{i}", "reward", a) for i, a in enumerate(self.rewards)]
+        pings = {a.ping.remote(): (name, role) for name, role, a in names}
+        t0 = time.time()
+        while pings:
+            elapsed = time.time() - t0
+            step = min(START_REPORT_S - elapsed % START_REPORT_S, s.start_timeout_s - elapsed)
+            ready, _ = ray.wait(list(pings), num_returns=1, timeout=max(step, 0.01))
+            for ref in ready:
+                name, _ = pings.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    raise RunFailed(f"the {name} actor failed to start:\n{_error_text(e)}") from None
+            if ready:
+                continue
+            elapsed = time.time() - t0
+            waiting = "; ".join(f"{name} (asks {_fmt(self.requests[role][1]) or 'nothing'})" for name, role in pings.values())
+            if elapsed >= s.start_timeout_s:
+                raise RunFailed(f"not started after {elapsed:.0f}s (system.start_timeout_s): {waiting}. The cluster has "
+                                f"{_fmt(ray.cluster_resources())}, free now {_fmt(ray.available_resources())}")
+            print(f"[diffrlhf] {elapsed:.0f}s: {len(pings)} actor(s) still starting (loading, or waiting for resources): "
+                  f"{waiting}; free now: {_fmt(ray.available_resources())}")
 
     # ------------------------------------------------------------------ checkpoint
 
-    def save_checkpoint(self) -> None:
-        import ray
+    def save_checkpoint(self, wall_s: float) -> None:
+        """Learner and buffer state, the scheduler's counters, and the LoRA of every policy version
+        the untrained epochs are sampled with: a resume re-samples those epochs identically."""
+        t = self.cfg.system.checkpoint_timeout_s
+        learner_state, buffer_state = ray.get([self.learner.state_dict.remote(), self.buffer.state_dict.remote()], timeout=t)
+        versions = {v: ray.get(self.weights[v], timeout=t)[1] for v in self.sched.needed_versions()}
+        save_checkpoint(self.run_dir, {"learner": learner_state, "buffer": buffer_state, **self.sched.state_dict(),
+                                       "versions": versions, "wall_s": wall_s, "config": self.cfg.to_dict()})
 
-        tmp = self.run_dir / "checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        learner_state, buffer_state = ray.get([self.learner.state_dict.remote(), self.buffer.state_dict.remote()],
-                                              timeout=self.cfg.system.checkpoint_timeout_s)
-        torch.save({"learner": learner_state, "buffer": buffer_state, "counters": dict(self.counters),
-                    "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict()}, tmp / "state.pt")
-        old = self.run_dir / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if self.ckpt_dir.exists():
-            self.ckpt_dir.rename(old)
-        tmp.rename(self.ckpt_dir)  # the previous checkpoint stays valid until this rename
-        shutil.rmtree(old, ignore_errors=True)
+    def _resume_from(self) -> dict | None:
+        """The state to continue from (checked before any actor starts), or None for a new run."""
+        state = self.resume_state
+        if state is None and self.resume:
+            try:
+                state = load_checkpoint(self.run_dir)
+            except CheckpointError as e:
+                raise RunFailed(f"cannot resume: {e}") from None
+        if state is None:
+            return None
+        if "versions" not in state:
+            raise RunFailed(f"cannot resume from {self.ckpt_dir}: it was written before checkpoints held the policy "
+                            f"versions the next epochs are sampled with; start a new run")
+        sched = EpochScheduler.from_config(self.cfg, state)
+        missing = sorted(set(sched.needed_versions()) - set(state["versions"]))
+        if missing:
+            raise RunFailed(f"cannot resume: with system.max_policy_lag={self.cfg.system.max_policy_lag} the next epochs are "
+                            f"sampled with policy versions {sched.needed_versions()}, the checkpoint holds {sorted(state['versions'])}; "
+                            f"resume with the run's own max_policy_lag ({state['config']['system']['max_policy_lag']})")
+        self.sched = sched
+        return state
 
-    def load_checkpoint(self) -> None:
-        import ray
-
-        path = self.ckpt_dir / "state.pt"
-        if not path.exists():
-            raise RunFailed(f"cannot resume: no checkpoint at {path}")
-        state = torch.load(path, weights_only=False)
-        ray.get([self.learner.load_state_dict.remote(state["learner"]), self.buffer.load_state_dict.remote(state["buffer"])])
-        self.counters.update(state["counters"])
-        torch.set_rng_state(state["torch_rng"])
+    def _resume_hint(self) -> str:
+        found = latest_checkpoint(self.run_dir)
+        if found is None:
+            return " No checkpoint was written yet: start the run again."
+        path, epochs = found
+        done = f" ({epochs} of {self.cfg.train.epochs} epochs done)" if epochs is not None else ""
+        return f" The last checkpoint{done} is {path}; continue with: diffrlhf train --resume {self.run_dir}"
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> list[dict]:
-        import ray
-
-        cfg, s = self.cfg, self.cfg.system
+        state = self._resume_from()
         self.start_actors()
-        if self.resume:
-            self.load_checkpoint()
+        if state is not None:
+            ray.get([self.learner.load_state_dict.remote(state["learner"]), self.buffer.load_state_dict.remote(state["buffer"])])
+            self.weights = {v: ray.put((v, lora)) for v, lora in state["versions"].items()}
             if self.logger is not None:
-                self.logger.truncate(self.counters["epochs_done"])
-        total = cfg.train.epochs
-        start = self.counters["epochs_done"]
-        self.weights_ref = self.learner.weights.remote()  # version + LoRA of the current policy
-        self.version = start
-        todo = collections.deque((e, b, 0) for e in range(start, total) for b in range(cfg.sample.batches_per_epoch))
-        pending: dict = {}  # ObjectRef -> _Pending
-        inflight = [0] * len(self.samplers)
-        reward_load = [0] * len(self.rewards)
-        batches_in: collections.Counter = collections.Counter()
-        epoch_queries: collections.Counter = collections.Counter()
-        self.dropped_in = collections.Counter()
-        # Actors that failed are "down" until a ping answers (Ray restarts them); "dead" once restarts are spent.
-        self.down = {"sampler": set(), "reward": set()}
-        self.dead = {"sampler": set(), "reward": set()}
-        next_train = start
-        updating = False
-        bar = _bar(total, start, self.progress)
-        t_run = time.time()
+                self.logger.truncate(self.sched.epochs_done)
+        else:
+            self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
+        self.t_run = time.time() - (state["wall_s"] if state else 0.0)  # wall_s continues over a resume
+        self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
+        self.later: list = []  # (due time, PingTask)
+        self.sampled: dict = {}  # (epoch, batch) -> (reward input ref, trajectories ref)
+        self.scores: dict = {}  # (epoch, batch) -> ScoreResult, until the buffer add is sent
+        self._n, self._last_progress = 0, time.time()
+        self.bar = _bar(self.cfg.train.epochs, self.sched.epochs_done, self.progress)
         try:
-            while self.counters["epochs_done"] < total:
-                # 1. dispatch sampling within the lag bound and the per-sampler in-flight bound
-                while todo and todo[0][0] <= self.version + s.max_policy_lag:
-                    free = [i for i in self._usable("sampler") if inflight[i] < s.max_inflight_per_sampler]
-                    if not free:
-                        break
-                    i = min(free, key=lambda j: inflight[j])
-                    e, b, attempt = todo.popleft()
-                    plan = plan_batch(self.prompts, cfg.run.seed, e, b, cfg.sample.batch_size, cfg.sample.batches_per_epoch,
-                                      cfg.sample.samples_per_prompt)
-                    info, rin, traj = self.samplers[i].sample.options(num_returns=3).remote(plan, self.weights_ref)
-                    pending[info] = _Pending("sample", e, b, i, attempt, refs=(rin, traj))
-                    inflight[i] += 1
-                for role in ("sampler", "reward"):
-                    if len(self.dead[role]) == len(self._actors(role)):
-                        raise RunFailed(f"every {role} actor is dead (system.max_actor_restarts={s.max_actor_restarts} spent). "
-                                        f"Last checkpoint: {self.ckpt_dir}; resume with: diffrlhf train --resume {self.run_dir}")
-                # 2. start the next update when its epoch is complete
-                if not updating and next_train < total and batches_in[next_train] >= cfg.sample.batches_per_epoch:
-                    summary = self.buffer.finalize_epoch.remote(next_train)
-                    tb = self.buffer.training_batch.remote(next_train)
-                    metrics, weights = self.learner.update.options(num_returns=2).remote(tb)
-                    pending[metrics] = _Pending("update", next_train, refs=(weights, summary))
-                    updating = True
-                # 3. report, then wait for anything (in slices, so the watchdog speaks while we wait)
-                self._observe(todo, pending, batches_in, next_train, updating)
-                ready = self._wait(pending)
-                ref = ready[0]
-                p = pending.pop(ref)
-                self.watchdog.work_done({"sample": "samplers", "score": "rewards", "add": "buffer", "update": "learner"}.get(p.kind, "driver"))
-                if p.kind == "sample":
-                    inflight[p.actor] -= 1
-                    try:
-                        ray.get(ref)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                        self._mark_down(pending, "sampler", p.actor)
-                        self._retry_or_drop(todo, batches_in, p, "sample", e)
-                        continue
-                    except ray.exceptions.RayTaskError as e:
-                        raise RunFailed(f"sampler-{p.actor} failed on epoch {p.epoch} batch {p.batch_index}: {_short(e)}") from None
-                    self._dispatch_score(pending, reward_load, p.epoch, p.batch_index, *p.refs, attempt=0)
-                elif p.kind == "score":
-                    reward_load[p.actor] -= 1
-                    try:
-                        score = ray.get(ref)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                        self._mark_down(pending, "reward", p.actor)
-                        if p.attempt < s.max_batch_retries:
-                            self.counters["score_retries"] += 1
-                            self._dispatch_score(pending, reward_load, p.epoch, p.batch_index, *p.refs, attempt=p.attempt + 1)
-                        else:
-                            self._drop(batches_in, p, "score", e)
-                        continue
-                    except ray.exceptions.RayTaskError as e:
-                        raise RunFailed(f"reward actor failed on epoch {p.epoch} batch {p.batch_index}: {_short(e)}") from None
-                    # each scored image is one query, counted once: a batch's result arrives once
-                    n_scored = len(score.ids) + len(score.dropped_ids)
-                    self.counters["reward_queries_total"] += n_scored
-                    epoch_queries[p.epoch] += n_scored
-                    self.counters["reward_dropped"] += len(score.dropped_ids)
-                    add = self.buffer.add_scored.remote(p.epoch, p.batch_index, p.refs[1], score)
-                    pending[add] = _Pending("add", p.epoch, p.batch_index)
-                elif p.kind == "ping":
-                    self._on_ping(pending, ref, p)
-                elif p.kind == "add":
-                    self._get_core(ref, "buffer", p)
-                    batches_in[p.epoch] += 1
-                elif p.kind == "update":
-                    metrics = self._get_core(ref, "learner", p)
-                    summary = self._get_core(p.refs[1], "buffer", p)
-                    self.weights_ref = p.refs[0]
-                    self.version = p.epoch + 1
-                    updating = False
-                    next_train += 1
-                    self.counters["epochs_done"] = p.epoch + 1
-                    self.counters["reward_queries"] += epoch_queries.pop(p.epoch)
-                    self._after_update(p.epoch, metrics, summary, time.time() - t_run, bar)
-                    if self.on_update is not None:
-                        self.on_update(self, p.epoch)
+            self._submit(self.sched.start())
+            while not self.sched.finished:
+                self._observe()
+                for ref in self._wait():
+                    task, _, _, extra = self.pending.pop(ref)
+                    self._submit(self._on_result(ref, task, extra))
+        except RunFailed as e:
+            raise RunFailed(f"{str(e).rstrip('.')}.{self._resume_hint()}") from None
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
         self.role_stats = self._collect_role_stats()
+        summary = self.dropped_summary()
+        if summary:
+            print("\n".join(f"[diffrlhf] {line}" for line in summary.splitlines()))
         return self.records
 
-    # ------------------------------------------------------------------ helpers
+    def _submit(self, tasks) -> None:
+        for line in self.sched.notices:
+            print(f"[diffrlhf] {line}")
+        self.sched.notices.clear()
+        for t in tasks:
+            if isinstance(t, PingTask) and t.delay:
+                self.later.append((time.time() + PING_AGAIN_S, PingTask(t.role, t.actor)))
+                continue
+            extra = ()
+            if isinstance(t, SampleTask):
+                plan = plan_batch(self.prompts, self.cfg.run.seed, t.epoch, t.batch, self.cfg.sample.batch_size,
+                                  self.cfg.sample.batches_per_epoch, self.cfg.sample.samples_per_prompt)
+                ref, *extra = self.samplers[t.actor].sample.options(num_returns=3).remote(plan, self.weights[t.version])
+            elif isinstance(t, ScoreTask):
+                ref = self.rewards[t.actor].score.remote(self.sampled[t.epoch, t.batch][0])
+            elif isinstance(t, AddTask):
+                _, traj = self.sampled.pop((t.epoch, t.batch))
+                ref = self.buffer.add_scored.remote(t.epoch, t.batch, traj, self.scores.pop((t.epoch, t.batch)))
+            elif isinstance(t, UpdateTask):
+                self.sampled = {k: v for k, v in self.sampled.items() if k[0] != t.epoch}  # dropped batches' refs
+                summary = self.buffer.finalize_epoch.remote(t.epoch)
+                ref, weights = self.learner.update.options(num_returns=2).remote(self.buffer.training_batch.remote(t.epoch))
+                extra = (weights, summary)
+            else:
+                ref = self._actors(t.role)[t.actor].ping.remote()
+            self._n += 1
+            self.pending[ref] = (t, time.time(), self._n, tuple(extra))
 
-    def _wait(self, pending) -> list:
-        import ray
+    def _on_result(self, ref, t, extra) -> list:
+        if not isinstance(t, PingTask):
+            self._last_progress = time.time()
+            self.watchdog.work_done(WORK_ROLE[type(t)])
+        if isinstance(t, PingTask):
+            try:
+                ray.get(ref)
+                return self.sched.ping_answered(t, "up")  # restarted; it loads its weights on its next call
+            except ray.exceptions.ActorUnavailableError:
+                return self.sched.ping_answered(t, "restarting")
+            except ray.exceptions.RayActorError:
+                return self.sched.ping_answered(t, "dead")
+        if isinstance(t, UpdateTask):
+            return self._on_update(ref, t, extra)
+        value, err, died = _outcome(ref)
+        if err is not None:
+            _read(extra)
+            return self.sched.failed(t, _error_text(err), died)
+        if isinstance(t, SampleTask):
+            self.sampled[t.epoch, t.batch] = extra
+            return self.sched.sampled(t)
+        if isinstance(t, ScoreTask):
+            self.scores[t.epoch, t.batch] = value
+            return self.sched.scored(t, len(value.ids) + len(value.dropped_ids), len(value.dropped_ids))
+        return self.sched.added(t)
 
-        waited = 0.0
+    def _on_update(self, ref, t, extra) -> list:
+        weights, summary_ref = extra
+        summary, err, died = _outcome(summary_ref)  # the buffer's part first: its failure explains the learner's
+        if err is not None:
+            _read([ref, weights])
+            if isinstance(err, EmptyEpochError) or isinstance(getattr(err, "cause", None), EmptyEpochError):
+                self.sched.empty_epoch(t)
+            return self.sched.failed(t, _error_text(err), died, role="buffer")
+        metrics, err, died = _outcome(ref)
+        if err is not None:
+            _read([weights])
+            return self.sched.failed(t, _error_text(err), died, role="learner")
+        self.weights[t.epoch + 1] = weights
+        new = self.sched.updated(t, summary["samples"])
+        self._submit([x for x in new if not isinstance(x, UpdateTask)])  # sampling goes on while we log and checkpoint
+        keep = set(self.sched.needed_versions())
+        self.weights = {v: w for v, w in self.weights.items() if v in keep}
+        self._after_update(t.epoch, metrics, summary, time.time() - self.t_run)
+        if self.on_update is not None:
+            self.on_update(self, t.epoch)
+        # The next update goes out only now: actor calls run in order, so the checkpoint above read
+        # the learner and buffer before that epoch's finalize and update changed them.
+        return [x for x in new if isinstance(x, UpdateTask)]
+
+    def _wait(self) -> list:
+        """The refs that are ready, in submission order; in slices, so the watchdog speaks and
+        delayed pings go out. Raises RunFailed after system.idle_timeout_s without progress."""
+        limit = self.cfg.system.idle_timeout_s
         while True:
-            step = min(10.0, self.cfg.system.idle_timeout_s - waited)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(step, 0.01))
+            now = time.time()
+            due = [x for x in self.later if x[0] <= now]
+            if due:
+                self.later = [x for x in self.later if x[0] > now]
+                self._submit([p for _, p in due])
+            idle = now - self._last_progress
+            if idle >= limit:
+                raise RunFailed(self._describe_stall())
+            step = max(0.01, min([10.0, limit - idle] + [d - now for d, _ in self.later]))
+            if not self.pending:
+                if not self.later:
+                    raise RunFailed(f"nothing in flight and nothing to start, {self._describe_stall()}")
+                time.sleep(step)
+                continue
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=step)
             if ready:
-                return ready
-            waited += step
+                ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+                return sorted(ready, key=lambda r: self.pending[r][2])
             for warning in self.watchdog.check():
                 print(f"[diffrlhf] watchdog: {warning}")
-            if waited >= self.cfg.system.idle_timeout_s:
-                raise RunFailed(self._describe_stall(pending))
 
-    def _observe(self, todo, pending, batches_in, next_train, updating) -> None:
-        kinds = collections.Counter(p.kind for p in pending.values())
-        depths = {"to_sample": len(todo), "sampling": kinds["sample"], "scoring": kinds["score"],
-                  "buffering": kinds["add"], "epochs_ready": int(not updating and batches_in[next_train] >= self.cfg.sample.batches_per_epoch)}
+    def _observe(self) -> None:
+        depths, waits = self.sched.describe()
         self.metrics.queues(depths)
         cap = len(self.samplers) * self.cfg.system.max_inflight_per_sampler
-        self.watchdog.queue("sampling", kinds["sample"], cap)
-        self.watchdog.queue("scoring", kinds["score"], cap)
-        if todo and todo[0][0] > self.version + self.cfg.system.max_policy_lag:
-            self.watchdog.waiting("samplers", f"the learner: epoch {todo[0][0]} needs policy version >= {todo[0][0] - self.cfg.system.max_policy_lag}, have {self.version}")
-        else:
-            self.watchdog.waiting("samplers", "free sampler slots" if todo else "nothing (all epochs planned)")
-        self.watchdog.waiting("learner", f"epoch {next_train}: {batches_in[next_train]}/{self.cfg.sample.batches_per_epoch} batches scored and buffered")
+        self.watchdog.queue("sampling", depths["sampling"], cap)
+        self.watchdog.queue("scoring", depths["scoring"], cap)
+        for role, what in waits.items():
+            self.watchdog.waiting(role, what)
 
-    def _actors(self, role):
+    def _actors(self, role: str) -> list:
         return self.samplers if role == "sampler" else self.rewards
 
-    def _usable(self, role) -> list[int]:
-        return [i for i in range(len(self._actors(role))) if i not in self.down[role] and i not in self.dead[role]]
-
-    def _mark_down(self, pending, role, i) -> None:
-        """A sampler/reward actor failed: keep work away from it until Ray has restarted it."""
-        if i in self.down[role] or i in self.dead[role]:
-            return
-        self.counters["actor_deaths"] += 1
-        self.down[role].add(i)
-        pending[self._actors(role)[i].ping.remote()] = _Pending("ping", -1, actor=i, refs=(role,))
-
-    def _on_ping(self, pending, ref, p) -> None:
-        import ray
-
-        role, i = p.refs[0], p.actor
-        try:
-            ray.get(ref)
-            self.down[role].discard(i)  # restarted; it reloads the newest weights on its next call
-        except ray.exceptions.ActorUnavailableError:  # still restarting: ask again shortly
-            time.sleep(0.2)
-            pending[self._actors(role)[i].ping.remote()] = _Pending("ping", -1, actor=i, refs=(role,))
-        except ray.exceptions.RayActorError:  # restarts spent
-            self.down[role].discard(i)
-            self.dead[role].add(i)
-            print(f"[diffrlhf] {role}-{i} is dead for good (system.max_actor_restarts spent); going on without it")
-
-    def _dispatch_score(self, pending, reward_load, epoch, batch_index, rin, traj, attempt):
-        usable = self._usable("reward") or [i for i in range(len(self.rewards)) if i not in self.dead["reward"]]
-        j = min(usable, key=lambda k: reward_load[k])
-        ref = self.rewards[j].score.remote(rin)
-        reward_load[j] += 1
-        pending[ref] = _Pending("score", epoch, batch_index, j, attempt, refs=(rin, traj))
-
-    def _retry_or_drop(self, todo, batches_in, p, stage, err):
-        if p.attempt < self.cfg.system.max_batch_retries:
-            self.counters["sample_retries"] += 1
-            todo.appendleft((p.epoch, p.batch_index, p.attempt + 1))  # same plan: an identical re-run
-        else:
-            self._drop(batches_in, p, stage, err)
-
-    def _drop(self, batches_in, p, stage, err):
-        self.counters["batches_dropped"] += 1
-        self.dropped_in[p.epoch] += 1
-        if self.dropped_in[p.epoch] == self.cfg.sample.batches_per_epoch:
-            raise RunFailed(f"every batch of epoch {p.epoch} was lost ({stage} failed: {_short(err)}); "
-                            f"last checkpoint: {self.ckpt_dir}")
-        batches_in[p.epoch] += 1  # the epoch completes without it; the loss is counted and logged
-        print(f"[diffrlhf] dropped epoch {p.epoch} batch {p.batch_index} after {p.attempt + 1} failed {stage} attempts: {_short(err)}")
-
-    def _get_core(self, ref, role, p):
-        import ray
-
-        try:
-            return ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            raise RunFailed(
-                f"the {role} actor died ({_short(e)}). The last checkpoint is in {self.ckpt_dir} "
-                f"(epoch {self.counters['epochs_done']}); continue with: diffrlhf train --resume {self.run_dir}"
-            ) from None
-        except ray.exceptions.RayTaskError as e:
-            raise RunFailed(f"the {role} failed during epoch {p.epoch}: {_short(e)}. Last checkpoint: {self.ckpt_dir}") from None
-
-    def _describe_stall(self, pending) -> str:
+    def _describe_stall(self) -> str:
         now = time.time()
-        waits = sorted(pending.values(), key=lambda p: p.since)[:6]
-        what = "; ".join(f"{p.kind} of epoch {p.epoch} batch {p.batch_index} (actor {p.actor}) for {now - p.since:.0f}s" for p in waits)
-        return (f"nothing finished for {self.cfg.system.idle_timeout_s:.0f}s (system.idle_timeout_s); waiting on: {what or 'nothing'}. "
-                f"Last checkpoint: {self.ckpt_dir}")
+        waits = sorted(self.pending.values(), key=lambda p: p[1])[:6]
+        what = "; ".join(f"{t} for {now - since:.0f}s" for t, since, _, _ in waits)
+        return f"nothing finished for {self.cfg.system.idle_timeout_s:.0f}s (system.idle_timeout_s); waiting on: {what or 'nothing'}"
 
-    def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float, bar) -> None:
-        import numpy as np
-
-        r = np.asarray(summary["rewards"], dtype=np.float64)
-        rec = {"epoch": epoch, "reward_queries": self.counters["reward_queries"], "reward_mean": float(r.mean()),
-               "reward_std": float(r.std()), "reward_se": float(r.std(ddof=1) / np.sqrt(len(r))) if len(r) > 1 else 0.0,
-               "samples": len(r), "wall_s": wall}
-        rec.update({k: v for k, v in metrics.items() if k != "timestep_weights"})
-        rec.update({k: v for k, v in self.counters.items() if k not in ("epochs_done", "reward_queries")})
+    def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float) -> None:
+        c = self.sched.counters
+        rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, wall_s=wall,
+                           **{k: v for k, v in c.items() if k not in ("epochs_done", "reward_queries")})
         self.records.append(rec)
         self.metrics.epoch(rec, rec["reward_queries"] - (self.records[-2]["reward_queries"] if len(self.records) > 1 else 0))
         self.watchdog.reward(rec["reward_mean"])
@@ -378,36 +355,62 @@ class Driver:
                 self.logger.save_grid(summary["images"], summary["prompts"], f"epoch_{epoch:04d}")
             self.logger.plot_reward_curve()
         if (epoch + 1) % self.cfg.run.save_every == 0 or epoch + 1 == self.cfg.train.epochs:
-            self.save_checkpoint()
-            import ray
-
+            self.save_checkpoint(wall)
             ray.get(self.learner.save_lora.remote(str(self.run_dir / "lora" / f"epoch_{epoch + 1:04d}")))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(queries=self.counters["reward_queries"], reward=f"{rec['reward_mean']:.4f}", lag=rec.get("policy_lag_max"))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(queries=c["reward_queries"], reward=f"{rec['reward_mean']:.4f}", lag=rec.get("policy_lag_max"))
 
     def _collect_role_stats(self) -> list[dict]:
-        import ray
-
         out = []
         for a in [self.learner, self.buffer] + self.samplers + self.rewards:
             try:
                 out.append(ray.get(a.stats.remote(), timeout=30))
             except Exception as e:  # a dead actor has no stats; say so rather than fail the run
-                out.append({"role": "unknown", "error": _short(e)})
+                out.append({"role": "unknown", "error": _error_text(e)})
         return out
 
     def shutdown(self) -> None:
-        import ray
-
         for a in [getattr(self, "learner", None), getattr(self, "buffer", None)] + getattr(self, "samplers", []) + getattr(self, "rewards", []):
             if a is not None:
                 ray.kill(a, no_restart=True)
 
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__)[:500]
+def _outcome(ref):
+    """(value, error, actor died) of a finished call."""
+    try:
+        return ray.get(ref), None, False
+    except ray.exceptions.RayActorError as e:  # died, or unavailable while restarting
+        return None, e, True
+    except ray.exceptions.RayError as e:  # the call itself raised (RayTaskError), or its input was lost
+        return None, e, False
+
+
+def _read(refs) -> None:
+    """Fetch the other results of a failed call (their errors too), so Ray does not log them as unhandled."""
+    for r in refs:
+        _outcome(r)
+
+
+def _error_text(e: BaseException) -> str:
+    """The original error's whole message, without Ray's traceback frames: a multi-line message
+    (e.g. missing weights and the command that fetches them) stays whole."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
+        return f"{type(cause).__name__}: {cause}".strip()
+    text = (e.error_msg if isinstance(e, ray.exceptions.RayActorError) else str(e)).strip()
+    lines = text.splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return text or type(e).__name__
+    rest = lines[frames[-1] + 1:]
+    while rest and rest[0].startswith("    "):  # the frame's source line and caret marks
+        rest = rest[1:]
+    return "\n".join(rest).strip() or text
+
+
+def _fmt(resources: dict) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items()) if v and not k.startswith(("node:", "memory", "object_store")))
 
 
 def _bar(total: int, start: int, enabled: bool):

@@ -3,6 +3,8 @@ the reference loop, the benchmarks) builds them here, so the roles agree on what
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffrlhf.buffer.advantages import AdvantageComputer
@@ -10,15 +12,22 @@ from diffrlhf.buffer.replay import ReplayBuffer
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.models import SDComponents, load_components, resolve_device
 from diffrlhf.policy.sampler import SamplingSettings
+from diffrlhf.rewards import default_runtime_env, spec_name
 from diffrlhf.rewards.serving import RewardServer
+
+# The interpreter of a prebuilt venv for a package-backed reward (e.g. /opt/venvs/hpsv2/bin/python;
+# how to build it: rewards/envs/*-requirements.txt), read by reward.runtime_env=auto.
+REWARD_PYTHON_ENV = "DIFFRLHF_REWARD_PYTHON"
 
 
 def sampling_settings(cfg) -> SamplingSettings:
     s = cfg.sample
-    return SamplingSettings(s.num_steps, s.eta, s.guidance_scale, s.resolution, s.negative_prompt)
+    return SamplingSettings(num_steps=s.num_steps, eta=s.eta, guidance_scale=s.guidance_scale, resolution=s.resolution,
+                            negative_prompt=s.negative_prompt)
 
 
 def update_settings(cfg) -> UpdateSettings:
+    # Every field from the config key of the same meaning; tests/test_config_sources.py checks both ways.
     t = cfg.train
     return UpdateSettings(
         lr=t.lr, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, weight_decay=t.weight_decay,
@@ -47,6 +56,20 @@ def build_policy(cfg, device: str | None = None) -> tuple[SDComponents, PolicyLe
 
 def reward_server(cfg) -> RewardServer:
     return RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
+
+
+def reward_runtime_env(cfg) -> dict | None:
+    """The Ray runtime_env of the reward actors: reward.runtime_env as given, or for "auto" the one
+    the reward needs (rewards.default_runtime_env: None for the rewards that run in the core
+    environment; for the `*_pkg` ones the venv named by $DIFFRLHF_REWARD_PYTHON)."""
+    env = cfg.reward.runtime_env
+    if env != "auto":
+        return env or None
+    try:
+        return default_runtime_env(cfg.reward.spec, python=os.environ.get(REWARD_PYTHON_ENV) or None)
+    except ValueError as e:
+        raise ValueError(f"reward.runtime_env=auto for reward {spec_name(cfg.reward.spec)!r}: {e}. Set {REWARD_PYTHON_ENV} "
+                         "to that venv's python on every node, or give reward.runtime_env as a mapping") from None
 
 
 def advantage_computer(cfg) -> AdvantageComputer:

@@ -18,7 +18,7 @@ MODES = ("none", "hardmine", "random")
 
 
 class ReplayBuffer:
-    def __init__(self, max_epochs: int = 2, mode: str = "hardmine", k: int = 8, seed: int = 0):
+    def __init__(self, max_epochs: int = 2, mode: str = "none", k: int = 8, seed: int = 0):
         if mode not in MODES:
             raise ValueError(f"replay.mode {mode!r} is not one of {MODES}")
         if max_epochs < 0 or k < 0:

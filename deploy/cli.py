@@ -8,14 +8,26 @@
     diffrlhf presets                    list presets
 
 Under `ray job submit` (RAY_ADDRESS set) `train` joins the cluster; otherwise it starts a local Ray.
+Bad input (config keys, reward spec and weights, prompt lists, the model) is an error before any
+run folder is made or Ray starts.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
+
+EXIT_INPUT, EXIT_RUN_FAILED, EXIT_CHECKPOINT, EXIT_INTERRUPTED = 2, 3, 4, 130
+EXIT_CODES = f"""exit codes:
+  0    done
+  {EXIT_INPUT}    bad config or input (config key, reward spec or weights, prompt list, model, run folder): nothing started
+  {EXIT_RUN_FAILED}    the run failed (a dead learner or buffer, a failing reward, no progress); it names the last checkpoint
+  {EXIT_CHECKPOINT}    --resume found no usable checkpoint (each path tried is named); the run folder is unchanged
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C); it prints the command that resumes from the last checkpoint
+Errors are one line `error: ...`; --debug shows the traceback instead."""
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -27,13 +39,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def load_cfg(args):
     from diffrlhf.deploy.config import config_from_dict, load_config, parse_override, _apply, validate
+    from diffrlhf.deploy.preflight import InputError
 
     if getattr(args, "resume", None):
         import yaml
 
         path = Path(args.resume) / "config.yaml"
         if not path.exists():
-            raise SystemExit(f"error: --resume {args.resume}: no config.yaml there; is it a run folder?")
+            raise InputError(f"--resume {args.resume}: no config.yaml there; give a run folder (runs/<name>)")
         cfg = config_from_dict(yaml.safe_load(path.read_text()))
         for o in args.overrides:
             _apply(cfg, parse_override(o))
@@ -43,34 +56,43 @@ def load_cfg(args):
     return load_config(args.preset, args.config, args.overrides)
 
 
-def check_model(cfg) -> None:
-    """Resolve the model before any actor starts: a missing model is a clear error, not a dead actor."""
-    from diffrlhf.policy.models import resolve_model
+def preflight(cfg) -> None:
+    """Every input checked before a run folder or Ray exists; warnings are said once, here."""
+    from diffrlhf.deploy.preflight import check_run_inputs
 
-    resolve_model(cfg.model.name)
+    for w in check_run_inputs(cfg):
+        print(f"[diffrlhf] warning: {w}", file=sys.stderr)
 
 
 def cmd_train(args) -> int:
+    from diffrlhf.actors.checkpoint import load_checkpoint
     from diffrlhf.actors.driver import Driver, init_ray
     from diffrlhf.deploy.runlog import RunLogger, make_run_dir
 
     cfg = load_cfg(args)
-    check_model(cfg)
+    preflight(cfg)
+    # A resume is verified before RunLogger rewrites config.yaml and opens tb/: a failed one changes nothing.
+    state = load_checkpoint(args.resume) if args.resume else None
     run_dir = Path(args.resume) if args.resume else make_run_dir(cfg)
     logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
     print(f"[diffrlhf] run folder: {run_dir}")
-    init_ray(cfg)
-    driver = Driver(cfg, run_dir, logger=logger, progress=not args.no_progress, resume=bool(args.resume))
     t0 = time.time()
     try:
+        init_ray(cfg)
+        driver = Driver(cfg, run_dir, logger=logger, progress=not args.no_progress, resume_state=state)
         records = driver.run()
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
+        if args.debug:
+            raise
+        return EXIT_INTERRUPTED
     finally:
         logger.close()
     wall = time.time() - t0
     (run_dir / "roles.json").write_text(json.dumps(driver.role_stats, indent=1))
     driver.metrics.roles(driver.role_stats)
     logger.plot_reward_curve()
-    _summary(records, wall, run_dir, driver.role_stats)
+    _summary(cfg, records, wall, run_dir, driver.role_stats)
     return 0
 
 
@@ -79,22 +101,61 @@ def cmd_reference(args) -> int:
     from diffrlhf.actors.reference_loop import run_reference
 
     cfg = load_cfg(args)
-    check_model(cfg)
+    preflight(cfg)
     run_dir = make_run_dir(cfg)
     logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
     t0 = time.time()
     records = run_reference(cfg, logger=logger, progress=not args.no_progress)
     logger.plot_reward_curve()
     logger.close()
-    _summary(records, time.time() - t0, run_dir, [])
+    _summary(cfg, records, time.time() - t0, run_dir, [])
     return 0
 
 
-def _summary(records, wall, run_dir, roles) -> None:
+def _interrupted(run_dir: Path) -> None:
+    from diffrlhf.actors.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        print(f"\n[diffrlhf] interrupted before the first checkpoint; nothing to resume in {run_dir} "
+              "(start a new run; the folder can be deleted)", file=sys.stderr)
+        return
+    path, epochs = last
+    done = f" ({epochs} epochs done)" if epochs is not None else ""
+    print(f"\n[diffrlhf] interrupted. Last checkpoint: {path}{done}. Continue with:\n"
+          f"  diffrlhf train --resume {shlex.quote(str(run_dir))}", file=sys.stderr)
+
+
+def _exit_code(e: BaseException) -> int | None:
+    """The exit code of an error the CLI reports in one line; None for a bug (shown with its traceback)."""
+    from diffrlhf.deploy.config import ConfigError
+    from diffrlhf.deploy.preflight import InputError
+
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(e, (ConfigError, InputError, FileNotFoundError, FileExistsError)):  # ModelNotFoundError, MissingWeightsError too
+        return EXIT_INPUT
+    from diffrlhf.actors.checkpoint import CheckpointError
+    from diffrlhf.actors.driver import RunFailed
+    from diffrlhf.rewards import NonFiniteRewardError
+
+    if isinstance(e, CheckpointError):
+        return EXIT_CHECKPOINT
+    if isinstance(e, (RunFailed, NonFiniteRewardError)):
+        return EXIT_RUN_FAILED
+    return None
+
+
+def _summary(cfg, records, wall, run_dir, roles) -> None:
+    from diffrlhf.deploy.baseline import ddpo_band, summary_line
+
     if records:
         a, b = records[0], records[-1]
         print(f"[diffrlhf] {len(records)} epochs in {wall:.1f}s; reward {a['reward_mean']:.4f} -> {b['reward_mean']:.4f} "
               f"over {b['reward_queries']} reward queries")
+        line = summary_line(records, ddpo_band(cfg))  # the gain in standard errors, beside DDPO's committed band
+        if line:
+            print(f"[diffrlhf] {line}")
     for r in roles:
         if "idle_fraction" in r:
             print(f"[diffrlhf]   {r['role']:<10} busy {r['busy_s']:7.1f}s  idle {100 * r['idle_fraction']:5.1f}%")
@@ -132,47 +193,54 @@ def cmd_presets(args) -> int:
 
 
 def main(argv=None) -> int:
-    from diffrlhf.policy.models import ModelNotFoundError
-    from diffrlhf.deploy.config import ConfigError
-
-    parser = argparse.ArgumentParser(prog="diffrlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="diffrlhf", description=__doc__, epilog=EXIT_CODES, formatter_class=fmt)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     sub = parser.add_subparsers(dest="cmd")
-    p = sub.add_parser("train", help="the distributed run on Ray (local or RAY_ADDRESS)")
+
+    def command(name, what):
+        return sub.add_parser(name, help=what, parents=[common], epilog=EXIT_CODES, formatter_class=fmt)
+
+    p = command("train", "the distributed run on Ray (local or RAY_ADDRESS)")
     _config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("reference", help="the single-process reference loop")
+    p = command("reference", "the single-process reference loop")
     _config_args(p)
     p.set_defaults(fn=cmd_reference, resume=None)
-    p = sub.add_parser("sample", help="images from a run's LoRA beside the base model's")
+    p = command("sample", "images from a run's LoRA beside the base model's")
     p.add_argument("--run", required=True, help="run folder")
     p.add_argument("--prompts", default="tiny-world-eval", help="prompt list name or file (first 16 used)")
     p.add_argument("--lora", default="latest", help="epoch_XXXX folder name or latest")
     p.add_argument("--n", type=int, default=2, help="images per prompt")
     p.add_argument("--out", help="PNG path (default RUN_DIR/samples.png)")
     p.set_defaults(fn=cmd_sample)
-    p = sub.add_parser("eval", help="rewards (and CLIP score) of a run's LoRA on train and held-out prompts")
+    p = command("eval", "rewards (and CLIP score) of a run's LoRA on train and held-out prompts")
     p.add_argument("--run", required=True)
     p.add_argument("--lora", default="latest")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--clip", help="local CLIP model folder for the CLIP score (default: openai/clip-vit-large-patch14 from the HF cache)")
     p.add_argument("--out", help="JSON path (default RUN_DIR/eval.json)")
     p.set_defaults(fn=cmd_eval)
-    p = sub.add_parser("fetch-weights", help="download a reward model's weights into the cache (needs internet)")
+    p = command("fetch-weights", "download a reward model's weights into the cache (needs internet)")
     p.add_argument("name")
     p.add_argument("--dest", default=None)
     p.add_argument("--version", default="v2.1", help="hpsv2 only: v2.0 or v2.1")
     p.set_defaults(fn=cmd_fetch_weights)
-    p = sub.add_parser("presets", help="list config presets")
+    p = command("presets", "list config presets")
     p.set_defaults(fn=cmd_presets)
     args = parser.parse_args(argv)
     if args.cmd is None:  # `diffrlhf` alone: the main job on the embedded default
         args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
     try:
         return args.fn(args)
-    except (ConfigError, ModelNotFoundError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        code = _exit_code(e)
+        if code is None or args.debug:
+            raise
+        print(f"error: {e}" if str(e) else "error: interrupted", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

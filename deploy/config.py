@@ -3,16 +3,27 @@
     cfg = load_config("tiny", overrides=["train.lr=0.01", "replay.mode=hardmine"])
 
 A wrong key or value raises ConfigError naming the key, the value and what is allowed, before
-anything starts.
+anything starts. Allowed values and defaults have one home each, the module that implements them
+(weighting schemes, replay and advantage modes, log-prob modes, NaN policies, dtypes/devices, the
+learner's and sampler's settings, LoRA targets); this layer only reads them.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from diffrlhf.buffer import advantages, replay
+from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
+from diffrlhf.learner.update import LOGPROB_MODES, UpdateSettings
+from diffrlhf.learner.weighting import SCHEMES
+from diffrlhf.policy.models import DEVICES, DTYPES
+from diffrlhf.policy.sampler import SamplingSettings
+from diffrlhf.rewards.serving import NAN_POLICIES
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -21,23 +32,31 @@ class ConfigError(ValueError):
     pass
 
 
+_SAMPLING, _UPDATE = SamplingSettings(), UpdateSettings()  # the defaults of sample.*, train.* and friends
+
+
+def _default(cls, name: str):
+    """The default of a constructor argument: the class that implements a setting owns its default."""
+    return inspect.signature(cls).parameters[name].default
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny-world"  # tiny-world | tiny-random[:seed] | local diffusers folder | hub id (local cache only)
     dtype: str = "float32"  # float32 | float16 | bfloat16 (base model; LoRA weights stay fp32)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    lora_rank: int = 4
+    lora_rank: int = DEFAULT_RANK
     lora_alpha: float = 0.0  # 0 means = rank
-    lora_targets: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    lora_targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
 
 @dataclass
 class SampleConfig:
-    num_steps: int = 20
-    eta: float = 1.0
-    guidance_scale: float = 5.0
-    resolution: int = 64
-    negative_prompt: str = ""
+    num_steps: int = _SAMPLING.num_steps
+    eta: float = _SAMPLING.eta
+    guidance_scale: float = _SAMPLING.guidance_scale
+    resolution: int = _SAMPLING.resolution
+    negative_prompt: str = _SAMPLING.negative_prompt
     batch_size: int = 8  # trajectories per sampler call
     batches_per_epoch: int = 4  # epoch size = batch_size * batches_per_epoch
     samples_per_prompt: int = 1  # k samples of each prompt in a batch (needed >= 2 for advantage.mode=group)
@@ -54,45 +73,47 @@ class RewardConfig:
     spec: typing.Any = "jpeg_compressibility"  # name, or {name: ..., **kwargs}; see rewards/README.md
     nan_policy: str = "raise"  # raise | drop
     batch_size: int = 8
-    runtime_env: typing.Any = None  # Ray runtime_env for the reward actors (own venv/pip for image-reward, hpsv2)
+    # Ray runtime_env of the reward actors: none (the core environment), a mapping, or "auto": the
+    # environment the reward needs (rewards.default_runtime_env; actors.settings.reward_runtime_env).
+    runtime_env: typing.Any = None
 
 
 @dataclass
 class AdvantageConfig:
-    mode: str = "per_prompt"  # per_prompt (DDPO tracker) | batch | group (GRPO)
-    buffer_size: int = 16
-    min_count: int = 16
-    clip_max: float = 5.0
+    mode: str = _default(advantages.AdvantageComputer, "mode")  # per_prompt (DDPO tracker) | batch | group (GRPO)
+    buffer_size: int = _default(advantages.AdvantageComputer, "buffer_size")
+    min_count: int = _default(advantages.AdvantageComputer, "min_count")
+    clip_max: float = _default(advantages.AdvantageComputer, "clip_max")
 
 
 @dataclass
 class WeightingConfig:
-    scheme: str = "uniform"  # uniform | latent_sq | latent_abs | ddim_std | gaussian_early | gaussian_mid | gaussian_late
-    gaussian_width: float = 0.2
+    scheme: str = _UPDATE.weighting  # one of learner.weighting.SCHEMES
+    gaussian_width: float = _UPDATE.gaussian_width
 
 
 @dataclass
 class ReplayConfig:
-    mode: str = "none"  # none | hardmine | random
-    max_epochs: int = 2  # past epochs kept for replay (the off-policy bound)
-    k: int = 8  # replayed trajectories per update
-    logprob_mode: str = "recorded"  # recorded (sampling-time log-probs) | recompute (policy at update start)
+    mode: str = _default(replay.ReplayBuffer, "mode")  # none | hardmine | random
+    max_epochs: int = _default(replay.ReplayBuffer, "max_epochs")  # past epochs kept for replay (the off-policy bound)
+    k: int = _default(replay.ReplayBuffer, "k")  # replayed trajectories per update
+    logprob_mode: str = _UPDATE.logprob_mode  # recorded (sampling-time log-probs) | recompute (policy at update start)
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 10
-    lr: float = 3e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    weight_decay: float = 1e-4
-    adam_eps: float = 1e-8
-    clip_range: float = 1e-4
-    max_grad_norm: float = 1.0
-    timestep_fraction: float = 1.0
-    inner_epochs: int = 1
-    batch_size: int = 8
-    grad_accum_steps: int = 1  # optimizer step every grad_accum_steps batches (x trained timesteps), as DDPO
+    lr: float = _UPDATE.lr
+    adam_beta1: float = _UPDATE.adam_beta1
+    adam_beta2: float = _UPDATE.adam_beta2
+    weight_decay: float = _UPDATE.weight_decay
+    adam_eps: float = _UPDATE.adam_eps
+    clip_range: float = _UPDATE.clip_range
+    max_grad_norm: float = _UPDATE.max_grad_norm
+    timestep_fraction: float = _UPDATE.timestep_fraction
+    inner_epochs: int = _UPDATE.inner_epochs
+    batch_size: int = _UPDATE.batch_size
+    grad_accum_steps: int = _UPDATE.grad_accum_steps  # optimizer step every grad_accum_steps batches (x trained timesteps), as DDPO
 
 
 @dataclass
@@ -148,13 +169,13 @@ class Config:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "float16", "bfloat16"),
-    "model.device": ("auto", "cpu", "cuda"),
-    "reward.nan_policy": ("raise", "drop"),
-    "advantage.mode": ("per_prompt", "batch", "group"),
-    "weighting.scheme": ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late"),
-    "replay.mode": ("none", "hardmine", "random"),
-    "replay.logprob_mode": ("recorded", "recompute"),
+    "model.dtype": DTYPES,
+    "model.device": DEVICES,
+    "reward.nan_policy": NAN_POLICIES,
+    "advantage.mode": advantages.MODES,
+    "weighting.scheme": SCHEMES,
+    "replay.mode": replay.MODES,
+    "replay.logprob_mode": LOGPROB_MODES,
 }
 # key -> (predicate, what is allowed)
 _RANGES = {
@@ -243,6 +264,9 @@ def validate(cfg: Config) -> Config:
             f"config key 'sample.batch_size': value {cfg.sample.batch_size} must be a multiple of "
             f"sample.samples_per_prompt ({cfg.sample.samples_per_prompt})"
         )
+    env = cfg.reward.runtime_env
+    if not (env is None or env == "auto" or isinstance(env, dict)):
+        raise ConfigError(f"config key 'reward.runtime_env': value {env!r} must be null, 'auto' or a Ray runtime_env mapping")
     if cfg.advantage.mode == "group" and cfg.sample.samples_per_prompt < 2:
         raise ConfigError("config key 'advantage.mode': 'group' needs sample.samples_per_prompt >= 2")
     if cfg.samples_per_epoch() % cfg.train.batch_size:

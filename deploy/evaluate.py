@@ -14,10 +14,11 @@ import numpy as np
 import torch
 import yaml
 
+from diffrlhf.actors.settings import sampling_settings
 from diffrlhf.policy.models import SDComponents, resolve_model
 from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
 from diffrlhf.policy.prompts import load_prompts
-from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
+from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.rewards import build_reward
 from diffrlhf.rewards.preprocess import clip_preprocess  # CLIP's resize/crop/normalise, torch only
 
@@ -66,8 +67,7 @@ def sample_base_and_lora(run_dir, prompts: list[str], n_per_prompt: int = 2, whi
     cfg = run_config(run_dir)
     pipe = load_pipeline(cfg, device)
     comps = components_of(pipe, cfg.model.name)
-    s = cfg.sample
-    settings = SamplingSettings(s.num_steps, s.eta, s.guidance_scale, s.resolution, s.negative_prompt)
+    settings = sampling_settings(cfg)
     ps = [p for p in prompts for _ in range(n_per_prompt)]
     seeds = [seed + i for i in range(len(ps))]
     base = sample_trajectories(comps, ps, seeds, settings, 0, list(range(len(ps))))

@@ -7,7 +7,7 @@
       reward_curve.png       mean reward (+/- s.e.) against reward queries
       grids/epoch_XXXX.png   sample images of chosen epochs
       lora/epoch_XXXX/       diffusers-format LoRA (pipe.load_lora_weights(folder))
-      checkpoint/            the resumable state (see actors/driver.py)
+      checkpoint/            the resumable state, checkpoint.prev/ the one before (see actors/checkpoint.py)
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 from diffrlhf.actors.observe import maybe_wandb
+from diffrlhf.deploy.baseline import ddpo_band, gain_summary
 
 
 def make_run_dir(cfg) -> Path:
@@ -27,7 +28,7 @@ def make_run_dir(cfg) -> Path:
     its metrics and overwrite some of its LoRA epochs and checkpoint, mixing two runs."""
     name = cfg.run.name or f"{cfg.preset or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     path = Path(cfg.run.out_dir) / name
-    held = [f for f in ("metrics.jsonl", "checkpoint", "lora") if (path / f).exists()]
+    held = [f for f in ("metrics.jsonl", "checkpoint", "checkpoint.prev", "lora") if (path / f).exists()]
     if held:
         raise FileExistsError(
             f"run folder {path} already holds a run ({', '.join(held)}). Continue it with "
@@ -81,7 +82,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
 
-    def plot_reward_curve(self, title: str = "") -> Path | None:
+    def plot_reward_curve(self, title: str = "", band="auto") -> Path | None:
+        """reward_curve.png: the run's epoch means (+- s.e.) against reward queries, over the committed
+        DDPO baseline's band for the same settings (deploy/baseline.py). band: "auto" looks it up from
+        the run's config.yaml (no band when no committed run matches), None draws none, or a ddpo_band()."""
         if not self.records:
             return None
         import matplotlib
@@ -89,20 +93,35 @@ class RunLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        cfg_path = self.dir / "config.yaml"
+        config = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
+        if band == "auto":  # looked up once per logger: the driver redraws the curve every epoch
+            if not hasattr(self, "_ddpo_band"):
+                self._ddpo_band = ddpo_band(config) if config else None
+            band = self._ddpo_band
         q = np.array([r["reward_queries"] for r in self.records])
         m = np.array([r["reward_mean"] for r in self.records])
         se = np.array([r.get("reward_se", 0.0) for r in self.records])
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(q, m, marker="o", ms=3)
-        ax.fill_between(q, m - se, m + se, alpha=0.25, label="± s.e. of the epoch mean")
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if band is not None:
+            keep = band["queries"] <= q.max()  # the same budget as the run
+            bq = band["queries"][keep]
+            ax.fill_between(bq, band["min"][keep], band["max"][keep], color="0.6", alpha=0.35, lw=0, label=band["label"])
+            ax.plot(bq, band["mean"][keep], color="0.35", ls="--", lw=1.2, label="DDPO baseline: mean of its seeds")
+        scheme, mode = config.get("weighting", {}).get("scheme"), config.get("replay", {}).get("mode")
+        who = f"this run: {scheme} weighting, replay {mode}" if scheme else "this run"
+        ax.plot(q, m, marker="o", ms=3, color="C0", lw=1.8, label=who)
+        ax.fill_between(q, m - se, m + se, color="C0", alpha=0.25, lw=0, label="this run: ± s.e. of the epoch mean")
+        g = gain_summary(self.records)
+        sub = f"\ngain (mean of last {g['epochs_averaged']} epochs - epoch 0): {g['gain']:+.3f} = {g['gain_in_se']:.1f} s.e." if g else ""
+        ax.set_title((title or self.dir.name) + sub, fontsize=10)
         ax.set_xlabel("reward queries")
         ax.set_ylabel("mean reward of the epoch's samples")
-        ax.set_title(title or self.dir.name)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)  # below: never over a curve
         fig.tight_layout()
         out = self.dir / "reward_curve.png"
-        fig.savefig(out, dpi=100)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         plt.close(fig)
         return out
 

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import torch
 
+# The attention projections DDPO trains; model.lora_targets / model.lora_rank default to these.
 DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+DEFAULT_RANK = 4
 
 
-def add_lora(unet, rank: int = 4, alpha: float | None = None, targets=DEFAULT_TARGETS, seed: int = 0) -> None:
+def add_lora(unet, rank: int = DEFAULT_RANK, alpha: float | None = None, targets=DEFAULT_TARGETS, seed: int = 0) -> None:
     """Attach a trainable LoRA adapter (peft) to `unet` in place; only its weights require grad.
 
     peft initialises lora_A randomly and lora_B to zero, so the adapter starts as the identity;

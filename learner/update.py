@@ -19,13 +19,19 @@ import torch
 
 from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.learner.lora import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS, add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from diffrlhf.learner.loss import ppo_clipped_loss
 from diffrlhf.learner.weighting import timestep_weights
+from diffrlhf.policy.sampler import SamplingSettings
+
+# Old log-probs of replayed rows: recorded at sampling time, or recomputed under the policy at update start.
+LOGPROB_MODES = ("recorded", "recompute")
 
 
 @dataclass
 class UpdateSettings:
+    """The learner's settings; their defaults are the config's (deploy/config.py reads them from here)."""
+
     lr: float = 3e-4
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -37,18 +43,19 @@ class UpdateSettings:
     inner_epochs: int = 1
     batch_size: int = 8
     grad_accum_steps: int = 1
-    weighting: str = "uniform"
+    weighting: str = "uniform"  # one of learner.weighting.SCHEMES
     gaussian_width: float = 0.2
-    logprob_mode: str = "recorded"  # for replayed rows: recorded | recompute
-    eta: float = 1.0
-    guidance_scale: float = 5.0
+    logprob_mode: str = "recorded"  # one of LOGPROB_MODES
+    # The learner evaluates the sampler's policy, so it takes the sampler's eta and guidance.
+    eta: float = SamplingSettings.eta
+    guidance_scale: float = SamplingSettings.guidance_scale
 
 
 class PolicyLearner:
     """Holds the LoRA-adapted UNet and its optimizer; `version` counts completed updates."""
 
-    def __init__(self, components, settings: UpdateSettings, lora_rank: int = 4, lora_alpha: float | None = None,
-                 lora_targets=("to_q", "to_k", "to_v", "to_out.0"), seed: int = 0, negative_prompt: str = ""):
+    def __init__(self, components, settings: UpdateSettings, lora_rank: int = DEFAULT_RANK, lora_alpha: float | None = None,
+                 lora_targets=DEFAULT_TARGETS, seed: int = 0, negative_prompt: str = ""):
         self.c, self.s, self.seed = components, settings, seed
         add_lora(components.unet, rank=lora_rank, alpha=lora_alpha, targets=lora_targets, seed=seed)
         self.params = lora_parameters(components.unet)

@@ -26,6 +26,8 @@ from diffrlhf.tinyworld.weights import TinyWorldWeightsError, ensure_tiny_world
 
 TINY_RANDOM = "tiny-random"
 TINY_WORLD = "tiny-world"
+DTYPES = ("float32", "float16", "bfloat16")  # model.dtype: the base model's torch dtype (LoRA stays fp32)
+DEVICES = ("auto", "cpu", "cuda")  # model.device, see resolve_device
 
 class ModelNotFoundError(FileNotFoundError):
     """The model weights are not on this machine."""

@@ -17,6 +17,8 @@ from diffrlhf.buffer.trajectory import TrajectoryBatch
 
 @dataclass(frozen=True)
 class SamplingSettings:
+    """How a trajectory is sampled; their defaults are the config's (deploy/config.py reads them from here)."""
+
     num_steps: int = 20
     eta: float = 1.0
     guidance_scale: float = 5.0

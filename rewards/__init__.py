@@ -10,79 +10,49 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
-from ._weights import MissingWeightsError
+from ._weights import MissingWeightsError, hf_cached_file
 
 RewardFn = Callable[[np.ndarray, "list[str]"], np.ndarray]
 Spec = Union[str, Mapping[str, Any]]
 
-__all__ = ["build_reward", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
-           "WeightedSum", "REWARD_NAMES", "spec_name"]
+__all__ = ["build_reward", "check_spec", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
+           "RewardSpecError", "WeightedSum", "REWARD_NAMES", "spec_name"]
 
 
-def _jpeg_incompressibility(**kw):
-    from .jpeg import JpegIncompressibility
-
-    return JpegIncompressibility(**kw)
-
-
-def _jpeg_compressibility(**kw):
-    from .jpeg import JpegCompressibility
-
-    return JpegCompressibility(**kw)
-
-
-def _jpeg_compressibility_shuffled(**kw):
-    from .jpeg import ShuffledJpegCompressibility
-
-    return ShuffledJpegCompressibility(**kw)
-
-
-def _aesthetic(**kw):
-    from .aesthetic import AestheticScorer
-
-    return AestheticScorer.from_spec(**kw)
-
-
-def _imagereward(**kw):
-    from .imagereward import ImageRewardScorer
-
-    return ImageRewardScorer.from_spec(**kw)
-
-
-def _imagereward_pkg(**kw):
-    from .imagereward import PackageImageReward
-
-    return PackageImageReward(**kw)
-
-
-def _hpsv2(**kw):
-    from .hpsv2 import HPSv2Scorer
-
-    return HPSv2Scorer.from_spec(**kw)
-
-
-def _hpsv2_pkg(**kw):
-    from .hpsv2 import PackageHPSv2
-
-    return PackageHPSv2(**kw)
-
-
-# Heavy modules (torch models) are imported only when their reward is built.
-_BUILDERS: dict[str, Callable[..., RewardFn]] = {
-    "jpeg_compressibility": _jpeg_compressibility,
-    "jpeg_incompressibility": _jpeg_incompressibility,
-    "jpeg_compressibility_shuffled": _jpeg_compressibility_shuffled,
-    "aesthetic": _aesthetic,
-    "imagereward": _imagereward,
-    "imagereward_pkg": _imagereward_pkg,
-    "hpsv2": _hpsv2,
-    "hpsv2_pkg": _hpsv2_pkg,
+# name -> (module, attribute): the callable that takes the spec's kwargs. Heavy modules (torch
+# models) are imported only when their reward is built or checked.
+_BUILTINS: dict[str, tuple[str, str]] = {
+    "jpeg_compressibility": ("jpeg", "JpegCompressibility"),
+    "jpeg_incompressibility": ("jpeg", "JpegIncompressibility"),
+    "jpeg_compressibility_shuffled": ("jpeg", "ShuffledJpegCompressibility"),
+    "aesthetic": ("aesthetic", "AestheticScorer.from_spec"),
+    "imagereward": ("imagereward", "ImageRewardScorer.from_spec"),
+    "imagereward_pkg": ("imagereward", "PackageImageReward"),
+    "hpsv2": ("hpsv2", "HPSv2Scorer.from_spec"),
+    "hpsv2_pkg": ("hpsv2", "PackageHPSv2"),
 }
-REWARD_NAMES = tuple(_BUILDERS) + ("weighted_sum",)
+# The learned rewards of the core environment: their module's find_weights(...) locates the weight
+# file without loading a model. (_pkg rewards run in their own environment, where files may differ.)
+_WEIGHT_LOOKUPS = ("aesthetic", "imagereward", "hpsv2")
+
+
+def _attr(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _builtin(name: str) -> Callable[..., RewardFn]:
+    mod, attr = _BUILTINS[name]
+    return _attr(importlib.import_module(f".{mod}", __name__), attr)
+
+
+REWARD_NAMES = tuple(_BUILTINS) + ("weighted_sum",)
 
 # What the package-backed rewards need in their own environment. Kept in sync with
 # rewards/envs/*-requirements.txt (the test suite checks that).
@@ -160,12 +130,8 @@ class WeightedSum:
         return total.astype(np.float32)
 
 
-def _import_custom(name: str, kw: dict) -> RewardFn:
-    """"pkg.module:attr" -> callable. Rule (also in README.md):
-    - attr is a class: instantiated with the spec's kwargs; the instance is the reward.
-    - attr is a function and the spec has kwargs (or "factory": true): it is a factory, called
-      with the kwargs; what it returns is the reward.
-    - attr is a function and the spec has no kwargs: it is the reward itself."""
+def _custom_target(name: str):
+    """"pkg.module:attr" -> the object it names (imported, not called)."""
     mod_name, _, attr = name.partition(":")
     if not mod_name or not attr:
         raise ValueError(f"custom reward must be 'package.module:callable', got {name!r}")
@@ -173,11 +139,19 @@ def _import_custom(name: str, kw: dict) -> RewardFn:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
         raise ImportError(f"custom reward {name!r}: cannot import module {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise ImportError(f"custom reward {name!r}: module {mod_name!r} has no attribute {attr!r}") from e
+    try:
+        return _attr(obj, attr)
+    except AttributeError as e:
+        raise ImportError(f"custom reward {name!r}: module {mod_name!r} has no attribute {attr!r}") from e
+
+
+def _import_custom(name: str, kw: dict) -> RewardFn:
+    """"pkg.module:attr" -> callable. Rule (also in README.md):
+    - attr is a class: instantiated with the spec's kwargs; the instance is the reward.
+    - attr is a function and the spec has kwargs (or "factory": true): it is a factory, called
+      with the kwargs; what it returns is the reward.
+    - attr is a function and the spec has no kwargs: it is the reward itself."""
+    obj = _custom_target(name)
     factory = bool(kw.pop("factory", False))
     if inspect.isclass(obj) or factory or kw:
         obj = obj(**kw)
@@ -193,8 +167,8 @@ def build_reward(spec: Spec) -> RewardFn:
     name, kw = _split(spec)
     if name == "weighted_sum":
         fn: RewardFn = WeightedSum(**kw)
-    elif name in _BUILDERS:
-        fn = _BUILDERS[name](**kw)
+    elif name in _BUILTINS:
+        fn = _builtin(name)(**kw)
     elif ":" in name:
         fn = _import_custom(name, kw)
     else:
@@ -202,10 +176,128 @@ def build_reward(spec: Spec) -> RewardFn:
     return _Checked(fn, name)
 
 
+class RewardSpecError(ValueError):
+    """A reward spec that cannot work: unknown name, kwargs the reward does not take, a custom
+    callable that cannot be imported or called as fn(images, prompts)."""
+
+
+def _bind_error(fn, args: tuple, kw: dict) -> str | None:
+    """Why fn(*args, **kw) would not bind, or None (also when fn has no inspectable signature)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kw)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def _check_kwargs(name: str, fn, kw: dict) -> None:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kw) - set(params))
+    if unknown:
+        raise RewardSpecError(f"reward {name!r} does not take {', '.join(map(repr, unknown))}; "
+                              f"it takes: {', '.join(params) or 'no kwargs'} (see rewards/README.md)")
+
+
+def _check_custom(name: str, kw: dict) -> None:
+    # The same rule as _import_custom, checked on signatures: nothing is called.
+    try:
+        obj = _custom_target(name)
+    except (ImportError, ValueError) as e:
+        raise RewardSpecError(f"{e}. A custom reward is 'package.module:callable', importable here "
+                              "(e.g. installed, or on PYTHONPATH)") from None
+    kw = dict(kw)
+    factory = bool(kw.pop("factory", False))
+    if inspect.isclass(obj):
+        why = _bind_error(obj, (), kw)
+        if why:
+            raise RewardSpecError(f"custom reward {name!r} is a class, built with the spec's kwargs {kw}: {why}")
+        if not any("__call__" in vars(c) for c in obj.__mro__[:-1]):
+            raise RewardSpecError(f"custom reward {name!r}: instances of class {obj.__name__} are not callable; "
+                                  f"define __call__(self, images, prompts)")
+        why = _bind_error(obj.__call__, (None, None, None), {})
+        if why:
+            raise RewardSpecError(f"custom reward {name!r}: {obj.__name__}.__call__ must take (images, prompts): {why}")
+    elif not callable(obj):
+        raise RewardSpecError(f"custom reward {name!r} is a {type(obj).__name__}, not a callable")
+    elif factory or kw:  # a factory: what it returns is checked when it is built
+        why = _bind_error(obj, (), kw)
+        if why:
+            raise RewardSpecError(f"custom reward {name!r} is called as a factory with the spec's kwargs {kw}: {why}")
+    else:
+        why = _bind_error(obj, (None, None), {})
+        if why:
+            raise RewardSpecError(f"custom reward {name!r} must be fn(images, prompts) -> one float per image, but cannot be called with "
+                                  f"(images, prompts): {why}")
+
+
+def check_spec(spec: Spec, local: bool = True) -> None:
+    """Check that a spec can be built, without building it (no model is loaded): the name is known
+    or a custom callable importable and callable as fn(images, prompts); the kwargs are ones the
+    reward takes; a learned reward's weight file is on this machine (aesthetic: its CLIP too);
+    each weighted_sum term likewise. Raises RewardSpecError, or MissingWeightsError (which names
+    the file, where it looked and `diffrlhf fetch-weights NAME`).
+
+    local=False checks only what holds everywhere (names, builtin kwargs, weighted_sum terms), for
+    rewards served in another environment or on other nodes, where files and modules may differ."""
+    if callable(spec) and not isinstance(spec, (str, Mapping)):
+        return
+    try:
+        name, kw = _split(spec)
+    except (ValueError, TypeError) as e:
+        raise RewardSpecError(str(e)) from None
+    if name == "weighted_sum":
+        _check_kwargs(name, WeightedSum, kw)
+        terms = kw.get("terms")
+        if not isinstance(terms, (list, tuple)) or not terms:
+            raise RewardSpecError(f"weighted_sum needs 'terms', a non-empty list of reward specs, got {terms!r}")
+        for i, t in enumerate(terms):
+            t = {"name": t} if isinstance(t, str) else t
+            if not isinstance(t, Mapping):
+                raise RewardSpecError(f"weighted_sum term {i}: {t!r} is not a reward name or a dict with 'name'")
+            t = dict(t)
+            w = t.pop("weight", 1.0)
+            if isinstance(w, bool) or not isinstance(w, (int, float)):
+                raise RewardSpecError(f"weighted_sum term {i}: weight {w!r} is not a number")
+            try:
+                check_spec(t, local)
+            except RewardSpecError as e:
+                raise RewardSpecError(f"weighted_sum term {i}: {e}") from None
+    elif name in _BUILTINS:
+        _check_kwargs(name, _builtin(name), kw)
+        if local and name in _WEIGHT_LOOKUPS:
+            find = importlib.import_module(f".{_BUILTINS[name][0]}", __name__).find_weights
+            try:
+                find(**{k: v for k, v in kw.items() if k in inspect.signature(find).parameters})
+            except ValueError as e:  # e.g. an unknown hpsv2 version
+                raise RewardSpecError(f"reward {name!r}: {e}") from None
+        if local and name == "aesthetic":
+            _check_pretrained(name, kw.get("clip_model", inspect.signature(_builtin(name)).parameters["clip_model"].default),
+                              "CLIP ViT-L/14", "clip_model")
+    elif ":" in name:
+        if local:
+            _check_custom(name, kw)
+    else:
+        raise RewardSpecError(f"unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}, or 'package.module:callable'")
+
+
+def _check_pretrained(reward: str, name_or_path: str, what: str, kwarg: str) -> None:
+    """A model loaded with from_pretrained(local_files_only=True): a local folder, or in the HF cache."""
+    if Path(name_or_path).expanduser().is_dir():
+        return
+    searched = [f"{name_or_path} as a local folder"]
+    if hf_cached_file(name_or_path, "config.json", searched) is None:
+        raise MissingWeightsError(reward, f"{name_or_path} ({what})", searched,
+                                  hint=f"or pass a local folder as {{'name': '{reward}', '{kwarg}': '/path/to/folder'}}.")
+
+
 def requirements(name: str) -> list[str]:
     """Pinned requirement lines for a package-backed reward's own environment."""
-    from pathlib import Path
-
     path = Path(__file__).with_name("envs") / _PKG_ENVS[name]
     lines = [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()]
     return [ln for ln in lines if ln and not ln.startswith("-")]

@@ -40,6 +40,19 @@ class AestheticMLP(nn.Module):
         return self.layers(embed)
 
 
+def find_weights(weights=None) -> str:
+    """The MLP's .pth on this machine (MissingWeightsError if absent); nothing is loaded."""
+    return find_weight_file(
+        "aesthetic",
+        WEIGHTS_FILE,
+        explicit=weights,
+        # ImageReward's load_score("Aesthetic") saves the URL basename, still %-encoded.
+        local_dirs=["~/.cache/ImageReward", "~/.cache/aesthetic"],
+        alt_names=["sac%2Blogos%2Bava1-l14-linearMSE.pth"],
+        hf_repos=["camenduru/improved-aesthetic-predictor"],
+    )
+
+
 class AestheticScorer:
     name = "aesthetic"
 
@@ -58,15 +71,7 @@ class AestheticScorer:
     def from_spec(cls, weights=None, clip_model: str = DEFAULT_CLIP, device="cpu", dtype="float32", resize="torch"):
         from transformers import AutoConfig, CLIPVisionModelWithProjection
 
-        path = find_weight_file(
-            "aesthetic",
-            WEIGHTS_FILE,
-            explicit=weights,
-            # ImageReward's load_score("Aesthetic") saves the URL basename, still %-encoded.
-            local_dirs=["~/.cache/ImageReward", "~/.cache/aesthetic"],
-            alt_names=["sac%2Blogos%2Bava1-l14-linearMSE.pth"],
-            hf_repos=["camenduru/improved-aesthetic-predictor"],
-        )
+        path = find_weights(weights)
         mlp = AestheticMLP()
         mlp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         # Only the vision tower + projection is loaded (what get_image_features uses). From a full

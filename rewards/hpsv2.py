@@ -38,6 +38,14 @@ VIT_H_14 = dict(
 )
 
 
+def find_weights(weights=None, version: str = "v2.1") -> str:
+    """The HPS checkpoint of `version` on this machine (MissingWeightsError if absent); nothing is loaded."""
+    if version not in VERSION_FILES:
+        raise ValueError(f"hpsv2 version must be one of {list(VERSION_FILES)}, got {version!r}")
+    root = os.environ.get("HPS_ROOT") or os.path.expanduser("~/.cache/hpsv2")
+    return find_weight_file("hpsv2", VERSION_FILES[version], explicit=weights, local_dirs=[root], hf_repos=[HF_REPO])
+
+
 def build_clip(vision: dict | None = None, text: dict | None = None, projection_dim: int | None = None):
     from transformers import CLIPConfig, CLIPModel
 
@@ -100,11 +108,7 @@ class HPSv2Scorer:
 
     @classmethod
     def from_spec(cls, weights=None, version: str = "v2.1", device="cpu", dtype="float32"):
-        if version not in VERSION_FILES:
-            raise ValueError(f"hpsv2 version must be one of {list(VERSION_FILES)}, got {version!r}")
-        root = os.environ.get("HPS_ROOT") or os.path.expanduser("~/.cache/hpsv2")
-        path = find_weight_file("hpsv2", VERSION_FILES[version], explicit=weights, local_dirs=[root],
-                                hf_repos=[HF_REPO])
+        path = find_weights(weights, version)
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = build_clip()
         model.load_state_dict(convert_open_clip_state_dict(ckpt.get("state_dict", ckpt)))

@@ -95,6 +95,12 @@ def convert_state_dict(sd: dict) -> tuple[dict, dict, dict]:
     return vis, txt, mlp
 
 
+def find_weights(weights=None) -> str:
+    """ImageReward.pt on this machine (MissingWeightsError if absent); nothing is loaded."""
+    return find_weight_file("imagereward", WEIGHTS_FILE, explicit=weights, local_dirs=["~/.cache/ImageReward"],
+                            hf_repos=[HF_REPO])
+
+
 def load_bert_tokenizer(tokenizer: str | None = None):
     """BLIP's tokenizer: bert-base-uncased plus bos [DEC] and additional [ENC] (ids 30522, 30523).
     `tokenizer` is a folder with vocab.txt (or a vocab.txt path) or a hub id already in the HF
@@ -152,8 +158,7 @@ class ImageRewardScorer:
     @classmethod
     def from_spec(cls, weights=None, tokenizer=None, med_config=None, vision=None, device="cpu", dtype="float32",
                   resize="torch"):
-        path = find_weight_file("imagereward", WEIGHTS_FILE, explicit=weights,
-                                local_dirs=["~/.cache/ImageReward"], hf_repos=[HF_REPO])
+        path = find_weights(weights)
         text = None
         cfg_path = med_config or os.path.join(os.path.dirname(path), "med_config.json")
         if os.path.isfile(cfg_path):  # honour a shipped med_config.json; defaults equal ImageReward's

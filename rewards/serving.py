@@ -14,6 +14,8 @@ import numpy as np
 
 from . import Spec, build_reward, spec_name
 
+NAN_POLICIES = ("raise", "drop")  # reward.nan_policy: what RewardServer does with a NaN/inf reward
+
 
 class NonFiniteRewardError(FloatingPointError):
     """A reward came back NaN or inf. Names the reward, the sample id, and its prompt."""
@@ -21,7 +23,8 @@ class NonFiniteRewardError(FloatingPointError):
     def __init__(self, reward: str, sample_id, prompt: str, value: float):
         self.reward, self.sample_id, self.prompt, self.value = reward, sample_id, prompt, value
         super().__init__(f"reward {reward!r} returned {value} for sample id {sample_id} (prompt {prompt!r}); "
-                         f"pass nan_policy='drop' to skip such samples instead")
+                         f"set the config key reward.nan_policy=drop to skip such samples instead "
+                         f"(RewardServer(nan_policy='drop') in Python)")
 
     def __reduce__(self):  # picklable with its fields: Ray re-raises it in the caller's process
         return (type(self), (self.reward, self.sample_id, self.prompt, self.value))

@@ -123,3 +123,123 @@ def test_sample_and_eval_commands_on_a_run_folder(tmp_path, tiny):
     assert "heldout" in format_table(result)
     with pytest.raises(FileNotFoundError, match="epoch_0001"):
         cmd_sample(run, "eval_simple_animals", None, n=1, which="epoch_0099")
+
+
+# ---------------------------------------------------------------- the CLI's errors, Ctrl-C and resume (a fake driver: no Ray)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """Replaces the Ray driver; `calls["run"]` (a function of the driver) is what its run() does."""
+    from types import SimpleNamespace
+
+    import diffrlhf.actors.driver as d
+
+    calls = {"made": 0, "run": lambda drv: []}
+
+    class FakeDriver:
+        def __init__(self, cfg, run_dir, logger=None, progress=True, resume_state=None):
+            calls["made"] += 1
+            calls["resume_state"] = resume_state
+            self.run_dir, self.role_stats, self.metrics = run_dir, [], SimpleNamespace(roles=lambda stats: None)
+
+        def run(self):
+            return calls["run"](self)
+
+    monkeypatch.setattr(d, "Driver", FakeDriver)
+    monkeypatch.setattr(d, "init_ray", lambda cfg: None)
+    return calls
+
+
+def _save(epoch):
+    from diffrlhf.actors.checkpoint import save_checkpoint
+
+    def run(drv):
+        for e in range(1, epoch + 1):
+            save_checkpoint(drv.run_dir, {"counters": {"epochs_done": e}, "learner": {"w": torch.ones(8) * e}})
+        return []
+    return run
+
+
+def _tree(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_run_failed_is_one_clean_line_and_debug_shows_the_traceback(fake_driver, tmp_path, capsys):
+    from diffrlhf.actors.driver import RunFailed
+    from diffrlhf.deploy.cli import main
+
+    def fail(drv):
+        raise RunFailed("the learner actor died (OOM). Last checkpoint: x")
+
+    fake_driver["run"] = fail
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=a", "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: the learner actor died (OOM). Last checkpoint: x" and "Traceback" not in err
+    with pytest.raises(RunFailed, match="learner actor died"):
+        main(["train", f"run.out_dir={tmp_path}", "run.name=b", "--debug"])
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(fake_driver, tmp_path, capsys):
+    from diffrlhf.deploy.cli import main
+
+    def interrupt_after(saves):
+        def run(drv):
+            _save(saves)(drv)
+            raise KeyboardInterrupt
+        return run
+
+    fake_driver["run"] = interrupt_after(2)
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=a"]) == 130
+    err = capsys.readouterr().err
+    assert f"Last checkpoint: {tmp_path / 'a' / 'checkpoint' / 'state.pt'} (2 epochs done)" in err
+    assert f"diffrlhf train --resume {tmp_path / 'a'}" in err and "Traceback" not in err
+    fake_driver["run"] = interrupt_after(0)
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=b"]) == 130
+    assert "interrupted before the first checkpoint" in capsys.readouterr().err
+
+
+def test_resume_uses_the_verified_checkpoint_and_falls_back_to_the_previous(fake_driver, tmp_path, capsys):
+    from diffrlhf.deploy.cli import main
+
+    fake_driver["run"] = _save(2)
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=a", "run.tensorboard=false"]) == 0
+    assert fake_driver["resume_state"] is None
+    run = tmp_path / "a"
+    fake_driver["run"] = lambda drv: []
+    assert main(["train", "--resume", str(run)]) == 0
+    assert fake_driver["resume_state"]["counters"]["epochs_done"] == 2
+    state = run / "checkpoint" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert fake_driver["resume_state"]["counters"]["epochs_done"] == 1
+    err = capsys.readouterr().err
+    assert str(state) in err and str(run / "checkpoint.prev" / "state.pt") in err
+
+
+def test_a_failed_resume_changes_nothing_in_the_run_folder(fake_driver, tmp_path, capsys):
+    from diffrlhf.deploy.cli import main
+
+    fake_driver["run"] = _save(1)  # one save: no previous checkpoint to fall back to
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=a", "train.epochs=1"]) == 0
+    run = tmp_path / "a"
+    state = run / "checkpoint" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    tree, config, made = _tree(run), (run / "config.yaml").read_bytes(), fake_driver["made"]
+    assert any(p.startswith("tb/") for p in tree)
+    code = main(["train", "--resume", str(run), "train.epochs=5"])  # an override would rewrite config.yaml
+    err = capsys.readouterr().err
+    assert code == 4 and err.startswith("error: no usable checkpoint") and str(state) in err and "Traceback" not in err
+    assert _tree(run) == tree and (run / "config.yaml").read_bytes() == config and fake_driver["made"] == made
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+
+
+def test_help_lists_the_exit_codes(capsys):
+    from diffrlhf.deploy.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "exit codes" in out and "130" in out and "--debug" in out and "--resume" in out

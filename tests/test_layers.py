@@ -7,7 +7,7 @@ each other nor anything above. A back-edge fails this test with the file, line a
 A dependency on another layer must be visible at the top of the module. Function-local imports of
 this project's code stay only inside one layer, for lazy loading of heavy modules (the reward
 models, the tiny world's evaluation), and in the command-line entry point, whose commands load only
-what they run (config errors and `diffrlhf presets` answer without importing torch or Ray).
+what they run (a config error answers without starting Ray or loading a model).
 """
 import ast
 from pathlib import Path

@@ -2,6 +2,7 @@
 handling (custom callables, weighted sums, runtime envs) and the missing-weights error."""
 
 import io
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -350,3 +351,108 @@ def test_default_runtime_env():
     ws = {"name": "weighted_sum", "terms": [{"name": "jpeg_compressibility", "weight": 1},
                                             {"name": "imagereward_pkg", "weight": 2}]}
     assert default_runtime_env(ws, python="/v/bin/python")["py_executable"] == "/v/bin/python"
+
+
+# ---------------------------------------------------------------- check_spec: a spec checked without building it
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nonsense", ["unknown reward 'nonsense'", "jpeg_compressibility", "package.module:callable"]),
+    ({"name": "jpeg_compressibility", "qualty": 90}, ["'qualty'", "it takes: quality"]),
+    ({"name": "aesthetic", "clip": "x"}, ["'clip'", "clip_model"]),
+    ({"name": "hpsv2", "version": "v3"}, ["v2.0", "v2.1", "'v3'"]),
+    ({"name": "weighted_sum"}, ["terms", "non-empty"]),
+    ({"name": "weighted_sum", "terms": ["jpeg_compressibility", {"name": "nonsense", "weight": 2}]}, ["term 1", "'nonsense'"]),
+    ({"name": "weighted_sum", "terms": [{"name": "jpeg_compressibility", "weight": "high"}]}, ["term 0", "weight 'high'"]),
+    ("no_such_module_xyz:fn", ["cannot import module 'no_such_module_xyz'", "PYTHONPATH"]),
+    (["a", "list"], ["name or a dict"]),
+])
+def test_check_spec_names_what_is_wrong(spec, words, empty_caches):
+    from diffrlhf.rewards import RewardSpecError, check_spec
+
+    with pytest.raises(RewardSpecError) as e:
+        check_spec(spec)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.fixture
+def custom_signatures(tmp_path, monkeypatch):
+    (tmp_path / "my_signatures.py").write_text(textwrap.dedent("""
+        def one_arg(images):
+            return images
+        def make(scale):
+            return lambda images, prompts: scale
+        class NotCallable:
+            pass
+        class NeedsArg:
+            def __init__(self, path):
+                self.path = path
+            def __call__(self, images, prompts):
+                return [0.0] * len(images)
+        VALUE = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_signatures"
+    sys.modules.pop("my_signatures", None)
+
+
+def test_check_spec_custom_callables_follow_the_import_rule(custom_module, custom_signatures):
+    from diffrlhf.rewards import RewardSpecError, check_spec
+
+    m, s = custom_module, custom_signatures
+    for ok in (f"{m}:brightness", {"name": f"{m}:make_scaled", "scale": 2.0}, f"{m}:PromptLength",
+               {"name": f"{m}:PromptLength", "offset": 1.0}, {"name": f"{s}:NeedsArg", "path": "x"}):
+        check_spec(ok)
+    for bad, words in [
+        (f"{s}:one_arg", ["(images, prompts)"]),
+        (f"{s}:make", ["(images, prompts)"]),  # a factory without its kwargs is taken as the reward itself
+        ({"name": f"{s}:make", "scael": 2}, ["factory", "scael"]),
+        (f"{s}:NotCallable", ["not callable", "__call__"]),
+        (f"{s}:NeedsArg", ["class", "path"]),
+        (f"{s}:VALUE", ["int", "not a callable"]),
+        (f"{s}:nothing", ["no attribute"]),
+    ]:
+        with pytest.raises(RewardSpecError) as e:
+            check_spec(bad)
+        assert all(w in str(e.value) for w in words), (bad, str(e.value))
+
+
+@pytest.mark.parametrize("name,filename", [("aesthetic", "sac+logos+ava1-l14-linearMSE.pth"),
+                                           ("imagereward", "ImageReward.pt"), ("hpsv2", "HPS_v2.1_compressed.pt")])
+def test_check_spec_finds_missing_weights_without_loading_a_model(empty_caches, name, filename):
+    from diffrlhf.rewards import check_spec
+
+    with pytest.raises(MissingWeightsError) as e:
+        check_spec(name)
+    assert filename in str(e.value) and f"diffrlhf fetch-weights {name}" in str(e.value)
+    with pytest.raises(MissingWeightsError, match=re.escape(filename)):  # inside a weighted_sum too
+        check_spec({"name": "weighted_sum", "terms": [{"name": name, "weight": 1.0}]})
+    # A file where the lookup finds it passes, though it is no model: nothing was loaded.
+    (empty_caches / "dcache" / name).mkdir(parents=True)
+    (empty_caches / "dcache" / name / filename).write_bytes(b"not a model")
+    if name == "aesthetic":  # its CLIP is looked up too, then found as a local folder
+        with pytest.raises(MissingWeightsError, match="openai/clip-vit-large-patch14"):
+            check_spec(name)
+        (empty_caches / "clip").mkdir()
+        check_spec({"name": name, "clip_model": str(empty_caches / "clip")})
+    else:
+        check_spec(name)
+
+
+def test_check_spec_local_false_skips_files_and_modules(empty_caches):
+    from diffrlhf.rewards import RewardSpecError, check_spec
+
+    check_spec("aesthetic", local=False)
+    check_spec("no_such_module_xyz:fn", local=False)
+    with pytest.raises(RewardSpecError, match="qualty"):
+        check_spec({"name": "jpeg_compressibility", "qualty": 1}, local=False)
+
+
+def test_nan_message_names_the_config_key():
+    from diffrlhf.rewards import NonFiniteRewardError
+    from diffrlhf.rewards.serving import RewardServer
+
+    srv = RewardServer(lambda images, prompts: np.full(len(images), np.nan), nan_policy="raise")
+    with pytest.raises(NonFiniteRewardError, match="reward.nan_policy=drop"):
+        srv.score([0], rand_images(1, 8), ["p"])

@@ -8,9 +8,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from diffrlhf.actors.checkpoint import load_checkpoint  # noqa: E402
 from diffrlhf.actors.driver import Driver, RunFailed  # noqa: E402
-from diffrlhf.actors.workers import SamplerWorker  # noqa: E402
+from diffrlhf.actors.workers import RewardWorker, SamplerWorker  # noqa: E402
 from diffrlhf.deploy.config import load_config  # noqa: E402
+from diffrlhf.rewards.serving import RewardServer  # noqa: E402
 
 SMALL = ["model.name=tiny-random", "model.device=cpu", "sample.num_steps=4", "sample.resolution=32", "sample.batch_size=4",
          "sample.batches_per_epoch=2", "train.batch_size=4", "prompts.train=simple_animals", "run.image_grid_every=0",
@@ -57,7 +59,7 @@ def assert_matches_reference(records, reference):
 
 @pytest.fixture(scope="module")
 def lag0_run(tmp_path_factory):
-    """Three synchronous epochs on Ray (also the uninterrupted run the resume test compares with)."""
+    """Three synchronous epochs on Ray."""
     run_dir = tmp_path_factory.mktemp("lag0") / "run"
     d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), run_dir, progress=False)
     records = d.run()
@@ -71,30 +73,38 @@ def test_lag0_reproduces_reference_loop(lag0_run, reference_run):
     assert all(r["policy_lag_max"] == 0 for r in records)
 
 
-def test_async_run_counts_queries_and_bounds_lag(tmp_path):
+LAG1 = ("train.epochs=4", "system.max_policy_lag=1", "system.max_inflight_per_sampler=2", "run.image_grid_every=2")
+
+
+@pytest.fixture(scope="module")
+def lag1_run(tmp_path_factory):
+    """Four asynchronous epochs, uninterrupted (also what the resumed runs must equal)."""
     from diffrlhf.deploy.runlog import RunLogger
 
-    cfg = cfg_with("train.epochs=4", "system.max_policy_lag=1", "system.max_inflight_per_sampler=2", "run.image_grid_every=2")
-    logger = RunLogger(tmp_path / "run", cfg, tensorboard=False)
-    d = Driver(cfg, tmp_path / "run", logger=logger, progress=False)
+    run_dir = tmp_path_factory.mktemp("lag1") / "run"
+    cfg = cfg_with(*LAG1)
+    d = Driver(cfg, run_dir, logger=RunLogger(run_dir, cfg, tensorboard=False), progress=False)
     records = d.run()
+    gpu_ids = ray.get([s.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")) for s in d.samplers])
+    d.shutdown()
+    return run_dir, records, d.role_stats, gpu_ids
+
+
+def test_async_run_counts_queries_and_pins_policy_versions(lag1_run):
+    run, records, role_stats, gpu_ids = lag1_run
     assert [r["reward_queries"] for r in records] == [8, 16, 24, 32]  # exact: every scored image once
     assert all(r["reward_queries_total"] >= r["reward_queries"] for r in records)
-    assert records[-1]["reward_queries_total"] == 32  # nothing scored twice, nothing lost
+    assert records[-1]["reward_queries_total"] == 32 and records[-1]["reward_queries_lost"] == 0  # nothing scored twice
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4]  # versions monotone, one per update
-    assert max(r["policy_lag_max"] for r in records) <= 1
-    assert any(r["policy_lag_max"] == 1 for r in records)  # the pipeline really overlapped
-    run = tmp_path / "run"
+    # epoch e is sampled with version max(0, e - 1), however the samplers were timed: the pipeline overlapped
+    assert [r["policy_lag_max"] for r in records] == [0, 1, 1, 1] and [r["policy_lag_mean"] for r in records] == [0, 1, 1, 1]
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["epoch"] == 3
     assert (run / "reward_curve.png").exists() and (run / "grids" / "epoch_0000.png").exists()
     assert (run / "lora" / "epoch_0004" / "pytorch_lora_weights.safetensors").exists()
     # placement: each sampler got its own (fake) GPU
-    roles = {r["role"] for r in d.role_stats}
-    assert {"sampler-0", "sampler-1", "reward-0", "learner", "buffer"} <= roles
-    gpu_ids = ray.get([s.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")) for s in d.samplers])
+    assert {"sampler-0", "sampler-1", "reward-0", "learner", "buffer"} <= {r["role"] for r in role_stats}
     assert sorted(gpu_ids) == ["0", "1"]
-    d.shutdown()
 
 
 def crash_once_sampler(marker: Path):
@@ -128,24 +138,48 @@ def test_sampler_deaths_do_not_stop_the_run(tmp_path, reference_run):
     d.shutdown()
 
 
-def test_stop_and_resume_continue_exactly(tmp_path, lag0_run):
-    straight_dir, full = lag0_run
-    first = Driver(cfg_with("train.epochs=2", "system.max_policy_lag=0"), tmp_path / "b", progress=False)
-    first.run()
-    first.shutdown()
-    state = torch.load(tmp_path / "b" / "checkpoint" / "state.pt", weights_only=False)
-    assert state["counters"]["epochs_done"] == 2 and state["counters"]["reward_queries"] == 16
-    assert state["learner"]["version"] == 2 and sorted(state["buffer"]["replay"]["epochs"]) == [0, 1]
-    second = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), tmp_path / "b", progress=False, resume=True)
-    rest = second.run()
-    second.shutdown()
-    assert [r["epoch"] for r in rest] == [2]
-    assert rest[0]["reward_queries"] == full[-1]["reward_queries"] == 24
-    assert rest[0]["reward_mean"] == pytest.approx(full[-1]["reward_mean"], abs=1e-4)
-    a, b = final_lora(straight_dir), final_lora(tmp_path / "b")
+class Stop(Exception):
+    pass
+
+
+def stop_after(epoch):
+    def hook(driver, e):
+        if e == epoch:
+            raise Stop(f"stopped after epoch {e}")
+
+    return hook
+
+
+def test_stop_and_resume_continue_exactly(tmp_path, lag1_run):
+    """Stopped after epoch 0 and again after epoch 1 (epochs sampled with older versions in flight
+    each time), resumed each time: the same run as the uninterrupted one."""
+    straight_dir, full, _, _ = lag1_run
+    cfg, run = cfg_with(*LAG1), tmp_path / "b"
+    parts = []
+    for stop, resume in ((0, None), (1, "state"), (None, "flag")):
+        state = load_checkpoint(run) if resume == "state" else None
+        d = Driver(cfg, run, progress=False, resume=resume == "flag", resume_state=state,
+                   on_update=stop_after(stop) if stop is not None else None)
+        try:
+            parts.append(d.run())
+        except Stop:
+            parts.append(d.records)
+        finally:
+            d.shutdown()
+        if stop is not None:
+            saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
+            assert saved["counters"]["epochs_done"] == stop + 1 and sorted(saved["versions"]) == [stop, stop + 1]
+    assert [[r["epoch"] for r in p] for p in parts] == [[0], [1], [2, 3]]
+    resumed = [r for p in parts for r in p]
+    for a, b in zip(resumed, full):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
+    assert resumed[-1]["reward_queries_total"] == full[-1]["reward_queries_total"] == 32  # lost work counted apart
+    assert resumed[-1]["reward_queries_lost"] >= 0 and parts[2][0]["wall_s"] > parts[1][-1]["wall_s"]  # wall time continues
+    a, b = final_lora(straight_dir), final_lora(run)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
 
 def test_dead_learner_stops_with_resumable_checkpoint(tmp_path):
@@ -155,7 +189,7 @@ def test_dead_learner_stops_with_resumable_checkpoint(tmp_path):
 
     cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0")
     d = Driver(cfg, tmp_path / "run", progress=False, on_update=kill_learner)
-    with pytest.raises(RunFailed, match="learner actor died.*--resume"):
+    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*The last checkpoint \(1 of 3 epochs done\).*--resume"):
         d.run()
     assert (tmp_path / "run" / "checkpoint" / "state.pt").exists()
     d.shutdown()
@@ -175,5 +209,49 @@ def test_a_stalled_role_is_reported_not_waited_on_forever(tmp_path):
     cfg = cfg_with("train.epochs=1", "system.idle_timeout_s=8", "system.num_samplers=1")
     d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"sampler": hanging_sampler()})
     with pytest.raises(RunFailed, match=r"nothing finished for 8s.*waiting on: sample of epoch 0 batch 0"):
+        d.run()
+    d.shutdown()
+
+
+def nan_reward():
+    class NaNReward(RewardWorker):  # every reward NaN; the server drops them (cfg: reward.nan_policy=drop)
+        def __init__(self, cfg, rank: int = 0):
+            self._init_role(cfg, f"reward-{rank}")
+            self.server = RewardServer(lambda images, prompts: [float("nan")] * len(images), nan_policy=cfg.reward.nan_policy)
+
+    return NaNReward
+
+
+def test_an_epoch_left_empty_by_nan_rewards_names_the_policy_not_the_learner(tmp_path):
+    cfg = cfg_with("train.epochs=1", "reward.nan_policy=drop", "system.num_samplers=1")
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"reward": nan_reward()})
+    with pytest.raises(RunFailed, match=r"(?s)epoch 0 has nothing left to train on: 8 of its 8 rewards were non-finite.*"
+                                        r"reward.nan_policy=raise.*No checkpoint was written yet") as e:
+        d.run()
+    assert "learner" not in str(e.value) and "checkpoint/" not in str(e.value)
+    d.shutdown()
+
+
+def test_an_impossible_request_fails_at_once_naming_keys_and_cluster(tmp_path):
+    cfg = cfg_with("system.num_samplers=3")  # one (fake) GPU each; the test Ray has 2
+    d = Driver(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(RunFailed, match=r"sampler: system.sampler_gpus=1 x 3 samplers = 3 GPU, the cluster has 2 GPU; "
+                                        r"lower system.sampler_gpus \(0 runs it on CPU\) or system.num_samplers"):
+        d.run()
+    assert not hasattr(d, "samplers")  # nothing was started
+
+
+def failing_sampler():
+    class MissingWeights(SamplerWorker):
+        def __init__(self, cfg, rank: int = 0):
+            raise FileNotFoundError("no weights for model 'x' in /cache/x\nfetch them with: diffrlhf fetch-weights x")
+
+    return MissingWeights
+
+
+def test_an_actor_that_cannot_start_shows_its_whole_error(tmp_path):
+    d = Driver(cfg_with("train.epochs=1"), tmp_path / "run", progress=False, worker_classes={"sampler": failing_sampler()})
+    with pytest.raises(RunFailed, match=r"the sampler-\d actor failed to start:\n.*no weights for model 'x' in /cache/x\n"
+                                        r"fetch them with: diffrlhf fetch-weights x"):
         d.run()
     d.shutdown()

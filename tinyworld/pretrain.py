@@ -29,9 +29,9 @@ from diffrlhf.tinyworld import scenes as tw
 from diffrlhf.tinyworld import weights as tww
 from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, TinySize, build_tiny_components, save_components_folder, to_vae_input
 
-# The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), which trained faster here.
+# The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), for faster training.
 SIZE = TinySize(attention_head_dim=4)
-# The UNet's peak learning rate: 4e-3 beat 2e-3 and 8e-3 in 800-step trials (train_unet's docstring).
+# The UNet's peak learning rate, chosen over 2e-3 and 8e-3 (trials: deploy/results/tinyworld/README.md).
 UNET_LR = 4e-3
 
 
@@ -63,7 +63,7 @@ def train_vae(vae, images: np.ndarray, masks: np.ndarray, steps: int, batch: int
     for step in bar:
         idx = torch.randint(len(data), (batch,), generator=g)
         # Finish at full size (40% of the steps): the mid-block's attention then sees all 8x8
-        # latents, which is where the shapes' colours came right in our runs.
+        # latents, which getting the shapes' colours right needs.
         crop = 32 if step < int(0.6 * steps) else 64
         if crop == 64:
             idx = idx[: batch // 4]  # same pixels per step
@@ -125,7 +125,7 @@ def pretrain_text_encoder(text_encoder, cap_ids: torch.Tensor, uniq: list[str], 
 
     SD1.5's CLIP text encoder arrives pretrained, and its end-of-text/padding tokens summarise the
     whole prompt; a random one's do not, and a UNet that must find the one colour word among 77
-    tokens learned no conditioning in 1300 steps here. So, before the UNet, linear probes on every
+    tokens learns no conditioning in this budget. So, before the UNet, linear probes on every
     position from the end-of-text token on are trained to read the caption's attributes (colour,
     shape, count, size, texture, background); the probes are then thrown away and the encoder is
     frozen. The token embedding stays frozen (it is stored as int8).
@@ -194,10 +194,8 @@ def min_snr_weights(alphas_cumprod: torch.Tensor, t: torch.Tensor, gamma: float)
 def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch, seed, p_uncond=0.1, min_snr_gamma=1.0,
                lr=UNET_LR):
     """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance
-    and min-SNR weighting. In 800-step trials (train captions, CFG 5; shape / background colour
-    right): plain epsilon loss 24% / 52%, gamma 5 25% / 68%, gamma 1 32% / 75%, gamma 0.5 32% / 80%;
-    with gamma 1, lr 2e-3 32% / 75%, 4e-3 38% / 87%, 8e-3 36% / 85%. Drawing t in proportion to
-    the min-SNR weight (importance sampling, unweighted loss) instead: 33% / 70%, no gain.
+    and min-SNR weighting (gamma 1) of a uniform draw of t; gamma and lr were chosen by the trials
+    in deploy/results/tinyworld/README.md (stage 3).
 
     cap_embs: the frozen text encoder's output per unique caption, "" last (embed_captions).
     """

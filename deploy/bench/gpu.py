@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
+from diffrlhf.learner.lora import DEFAULT_RANK
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.ddim import guided_noise_pred
 from diffrlhf.policy.models import SDComponents
@@ -44,7 +45,7 @@ SD15_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlo
                 block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512, scaling_factor=0.18215)
 SD15_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
                  max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
-SIZES = {
+MODEL_SIZES = {  # what --size measures: SD1.5's shapes on the GPU, or the tiny random model on the CPU
     "full": dict(resolution=512, steps=50, sample_batches=[1, 2, 4, 8, 16], update_batches=[1, 2, 4, 8],
                  dtypes=["float16", "bfloat16"], device="cuda"),
     "tiny": dict(resolution=32, steps=2, sample_batches=[2], update_batches=[2], dtypes=["float32", "bfloat16"], device="cpu"),
@@ -58,7 +59,6 @@ def build_components(size: str, device: str, dtype):
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from transformers import CLIPTextConfig, CLIPTextModel
-
 
     torch.manual_seed(0)
     if size == "full":
@@ -90,7 +90,6 @@ def count_flops(learner, resolution: int, guidance: float) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-
     c = learner.c
     h = resolution // c.vae_scale_factor
     z = torch.randn(1, c.unet.config.in_channels, h, h, device=c.device, dtype=c.unet.dtype)
@@ -108,7 +107,7 @@ def count_flops(learner, resolution: int, guidance: float) -> dict:
     return {"forward": int(fwd.get_total_flops()), "forward_backward": int(train.get_total_flops())}
 
 
-def timed(fn, device: str, repeats: int) -> float:
+def median_seconds(fn, device: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         sync(device)
@@ -132,7 +131,6 @@ def peak_memory_gb(device: str):
 def measure_sampling(learner, settings, batches, repeats, device, flops, peak) -> tuple[list, dict]:
     from dataclasses import replace
 
-
     c, rows, last = learner.c, [], {}
     for b in batches:
         def run(s=settings, b=b):
@@ -141,7 +139,7 @@ def measure_sampling(learner, settings, batches, repeats, device, flops, peak) -
         try:
             run(replace(settings, num_steps=2))  # warm-up: kernels and allocator for this batch shape
             peak_memory_gb(device)
-            dt = timed(run, device, repeats)
+            dt = median_seconds(run, device, repeats)
         except Exception as e:  # an OOM at a large batch is a result, not a crash
             rows.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             log("gpu", f"sampling batch {b}: {rows[-1]['error']}")
@@ -172,7 +170,7 @@ def measure_update(learner, batch, batches, repeats, device, flops, peak, timest
             run()
             learner.s.timestep_fraction = timestep_fraction
             peak_memory_gb(device)
-            dt = timed(run, device, repeats)
+            dt = median_seconds(run, device, repeats)
         except Exception as e:
             rows.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             log("gpu", f"update batch {b}: {rows[-1]['error']}")
@@ -197,7 +195,6 @@ def _free(device: str) -> None:
 
 def scoring_seconds(batch) -> float:
     """JPEG compressibility on this batch's images (CPU): the reward stage for the scale simulation."""
-
     server = RewardServer("jpeg_compressibility", batch_size=len(batch))
     t0 = time.perf_counter()
     server.score(batch.sample_ids.tolist(), batch.images.numpy(), batch.prompts)
@@ -207,17 +204,16 @@ def scoring_seconds(batch) -> float:
 def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
     import torch
 
-
     t0 = time.time()
     comps = build_components(args.size, device, getattr(torch, dtype_name))
-    learner = PolicyLearner(comps, UpdateSettings(lr=1e-4, clip_range=1e-4, guidance_scale=args.guidance,
-                                                  timestep_fraction=args.timestep_fraction), lora_rank=4)
+    # The learner's defaults (LoRA rank and targets, clip range, eta) but lr, SD1.5's CFG scale and the trained fraction.
+    learner = PolicyLearner(comps, UpdateSettings(lr=1e-4, guidance_scale=args.guidance, timestep_fraction=args.timestep_fraction))
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in (("unet", comps.unet), ("vae", comps.vae), ("text_encoder", comps.text_encoder))}
     log("gpu", f"{dtype_name}: built in {time.time() - t0:.0f}s, params {n_params}")
     flops = count_flops(learner, args.resolution, args.guidance)
     log("gpu", f"{dtype_name}: guided UNet call, 1 image: {flops['forward'] / 1e9:.2f} GFLOP forward, "
                f"{flops['forward_backward'] / 1e9:.2f} GFLOP forward+backward")
-    settings = SamplingSettings(num_steps=args.steps, eta=1.0, guidance_scale=args.guidance, resolution=args.resolution)
+    settings = SamplingSettings(num_steps=args.steps, guidance_scale=args.guidance, resolution=args.resolution)
     sampling, last = measure_sampling(learner, settings, args.sample_batches, args.repeats, device, flops, peak)
     # The update trains on real trajectories of the policy: one batch of the largest update size.
     nb = max(args.update_batches)
@@ -243,20 +239,21 @@ def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="full")
     ap.add_argument("--dtypes", nargs="+")
     ap.add_argument("--sample-batches", type=int, nargs="+")
     ap.add_argument("--update-batches", type=int, nargs="+")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--guidance", type=float, default=7.5)
-    ap.add_argument("--timestep-fraction", type=float, default=1.0, help="fraction of timesteps trained per update (DDPO: 1.0)")
+    ap.add_argument("--timestep-fraction", type=float, default=UpdateSettings.timestep_fraction,
+                    help="fraction of timesteps trained per update (default: the learner's, all of them, as DDPO)")
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats per measurement (median), after one warm-up")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16/fp16 peak (H100/H200 SXM: 989)")
     ap.add_argument("--device", help="default cuda (full), cpu (tiny)")
     ap.add_argument("--out", help="default deploy/results/gpu")
     args = ap.parse_args(argv)
-    d = SIZES[args.size]
+    d = MODEL_SIZES[args.size]
     for k in ("dtypes", "sample_batches", "update_batches", "steps", "resolution", "device"):
         if getattr(args, k) is None:
             setattr(args, k, d[k])
@@ -269,7 +266,7 @@ def main(argv=None) -> dict:
     out = out_dir("gpu", args.out)
     res = {"machine": machine(), "size": args.size, "device": args.device, "resolution": args.resolution, "steps": args.steps,
            "guidance_scale": args.guidance, "timestep_fraction": args.timestep_fraction, "repeats": args.repeats,
-           "peak_tflops": args.peak_tflops, "sdpa": "AttnProcessor2_0 (torch scaled_dot_product_attention)", "lora_rank": 4,
+           "peak_tflops": args.peak_tflops, "sdpa": "AttnProcessor2_0 (torch scaled_dot_product_attention)", "lora_rank": DEFAULT_RANK,
            "cuda": torch.version.cuda, "results": []}
     if args.device == "cuda":
         res["sdpa_backends"] = {"flash": torch.backends.cuda.flash_sdp_enabled(), "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled()}

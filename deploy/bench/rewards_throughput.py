@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+
 from diffrlhf.rewards import build_reward
 from diffrlhf.rewards.aesthetic import AestheticMLP, AestheticScorer
 from diffrlhf.rewards.hpsv2 import HPSv2Scorer, build_clip
@@ -31,7 +32,6 @@ ALL = ["jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "imagerewa
 def _bert_tokenizer():
     """bert-base-uncased from the HF cache if present; otherwise a stand-in vocabulary (token ids
     differ, the text length - padded to 35 - and so the compute are the same)."""
-
     try:
         return load_bert_tokenizer(None), "bert-base-uncased (HF cache)"
     except Exception:
@@ -44,12 +44,10 @@ def _bert_tokenizer():
 
 def build(name: str):
     """Return (reward_fn, params, note)."""
-
     if name.startswith("jpeg"):
         return build_reward(name), 0, ""
     if name == "aesthetic":
         from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
-
 
         cfg = CLIPVisionConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
                                patch_size=14, image_size=224, projection_dim=768, hidden_act="quick_gelu")
@@ -57,14 +55,12 @@ def build(name: str):
         fn = AestheticScorer(clip, AestheticMLP())
         return build_reward(fn), sum(p.numel() for p in clip.parameters()), "CLIP ViT-L/14 vision tower + MLP"
     if name == "imagereward":
-
         vis, txt = build_blip()
         tok, note = _bert_tokenizer()
         fn = ImageRewardScorer(vis, txt, AestheticMLP(768), tok)
         n = sum(p.numel() for m in (vis, txt) for p in m.parameters())
         return build_reward(fn), n, f"BLIP ViT-L/16 + BERT-base cross-attn, {note}"
     if name == "hpsv2":
-
         model = build_clip()
         return build_reward(HPSv2Scorer(model)), sum(p.numel() for p in model.parameters()), "ViT-H-14 CLIPModel"
     raise ValueError(name)

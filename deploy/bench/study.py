@@ -32,31 +32,34 @@ server scores them, so these queries are not counted as training queries.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from diffrlhf.deploy.config import _flatten, load_config
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
+from diffrlhf.buffer.replay import MODES as REPLAY_MODES
+from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.tinyworld import weights as tiny_world_weights
 
-SCHEMES = ["uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late"]
 # suite -> {variant label: (weighting.scheme, replay.mode)}; the first variant is the suite's baseline.
 SUITES = {
     "ablation": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none"),
                  "+hardmine": ("uniform", "hardmine"), "+both": ("latent_sq", "hardmine")},
     "weighting": {s: (s, "none") for s in SCHEMES},
-    "replay": {m: ("uniform", m) for m in ("none", "hardmine", "random")},
+    "replay": {m: ("uniform", m) for m in REPLAY_MODES},
     # The claim in two runs per seed: for a second reward, where the full ablation costs too much.
     "headline": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none")},
 }
 SMOOTH_WINDOW = 3
 EVAL_SEED_BASE = 987_654_321  # held-out noise seeds: fixed, disjoint from training seeds of small run seeds
-SIZES = {  # defaults per --size; the command line wins
+RUN_SIZES = {  # what --size sets (epochs, seeds, held-out samples, config overrides); the command line wins
     "tiny": dict(epochs=2, seeds=1, eval_samples=4, overrides=TINY_OVERRIDES),
     "full": dict(epochs=20, seeds=3, eval_samples=32, overrides=["model.device=cpu", "run.image_grid_every=0", "run.tensorboard=false"]),
 }
@@ -125,10 +128,8 @@ def run_path(out: Path, reward: str, axes: tuple[str, str], seed: int) -> Path:
 
 
 def make_config(size: str, reward: str, epochs: int, overrides: list[str], axes=("uniform", "none"), seed: int = 0):
-    from diffrlhf.deploy.config import load_config
-
     # The variant's axes and the seed come last: a stray override cannot blur the comparison.
-    return load_config("tiny", overrides=[*SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
+    return load_config("tiny", overrides=[*RUN_SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
                                           *overrides, f"weighting.scheme={axes[0]}", f"replay.mode={axes[1]}", f"run.seed={seed}"])
 
 
@@ -138,14 +139,11 @@ def identity(cfg) -> dict:
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("seed", "out_dir", "name")}
     if d["model"]["name"] == "tiny-world":
         # The name stays when the committed weights are retrained; runs on other weights don't mix.
-
         d["model"]["weights_sha256"] = tiny_world_weights.recorded_digest()[:16]
     return d
 
 
 def check_reusable(path: Path, saved: dict, cfg) -> None:
-    from diffrlhf.deploy.config import _flatten
-
     a, b = _flatten(saved["config"]), _flatten(identity(cfg))
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if diff:
@@ -153,9 +151,8 @@ def check_reusable(path: Path, saved: dict, cfg) -> None:
                          "use another --out, or delete the file to re-run it")
 
 
-def evaluate(components, negative_embeds, cfg, n: int, version: int = -1) -> dict:
+def heldout_reward(components, negative_embeds, cfg, n: int, version: int = -1) -> dict:
     """Sample n held-out images (prompts.eval, cycled; fixed noise seeds) and score them."""
-
     prompts = load_prompts(cfg.prompts.eval)
     all_prompts = [prompts[i % len(prompts)] for i in range(n)]
     server = reward_server(cfg)
@@ -179,7 +176,7 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
         log("study", f"{tag} epoch {epoch + 1}/{cfg.train.epochs} queries {seen[0]} reward {batch.rewards.double().mean():.4f} "
                      f"({time.time() - t0:.0f}s)")
         if epoch == cfg.train.epochs - 1 and eval_samples:
-            evals.update(evaluate(learner.c, learner.negative_embeds, cfg, eval_samples, learner.version))
+            evals.update(heldout_reward(learner.c, learner.negative_embeds, cfg, eval_samples, learner.version))
             log("study", f"{tag} held-out reward {_pm((evals['reward_mean'], evals['reward_se']))}")
 
     records = run_reference(cfg, progress=False, on_epoch=on_epoch)
@@ -191,8 +188,6 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
 
 
 def get_run(out: Path, size: str, reward: str, epochs: int, overrides, axes, seed: int, eval_samples: int, run: bool = True):
-    import json
-
     cfg = make_config(size, reward, epochs, overrides, axes, seed)
     path = run_path(out, reward, axes, seed)
     tag = f"{reward} {axes[0]}+{axes[1]} seed {seed}"
@@ -211,9 +206,6 @@ def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int, r
     """The held-out reward of the untrained policy (LoRA B = 0): the reference point for the evals.
 
     The saved one if it matches; else computed, unless run is False (--report-only)."""
-    import json
-
-
     if not eval_samples:
         return None
     cfg = make_config(size, reward, 1, overrides)
@@ -226,7 +218,7 @@ def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int, r
     if not run:
         return None
     comps, learner = build_policy(cfg)
-    res = evaluate(comps, learner.negative_embeds, cfg, eval_samples, 0)
+    res = heldout_reward(comps, learner.negative_embeds, cfg, eval_samples, 0)
     res["key"] = key
     write_json(path, res)
     log("study", f"{reward} base policy held-out reward {_pm((res['reward_mean'], res['reward_se']))}")
@@ -338,7 +330,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", nargs="+", default=["ablation"], choices=sorted(SUITES))
     ap.add_argument("--reward", nargs="+", default=["jpeg_compressibility"])
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--size", choices=sorted(RUN_SIZES), default="full")
     ap.add_argument("--epochs", type=int, help="default: 20 (full), 2 (tiny)")
     ap.add_argument("--seeds", type=int, help="number of seeds 0..n-1; default 3 (full), 1 (tiny)")
     ap.add_argument("--eval-samples", type=int, help="held-out images per run (0: none); default 32 (full), 4 (tiny)")
@@ -350,7 +342,7 @@ def main(argv=None) -> dict:
                          "the others show as 0 seeds")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset)")
     args = ap.parse_args(argv)
-    d = SIZES[args.size]
+    d = RUN_SIZES[args.size]
     epochs, n_seeds = args.epochs or d["epochs"], args.seeds or d["seeds"]
     n_eval = d["eval_samples"] if args.eval_samples is None else args.eval_samples
     out = out_dir("study", args.out)

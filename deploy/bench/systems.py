@@ -43,7 +43,7 @@ PARTS = ["overhead", "overlap", "scale", "broadcast"]
 # The driver checkpoints every run.save_every epochs inside its loop; the reference loop never
 # does. Timed runs checkpoint only once, after the last epoch's wall time is taken.
 NO_CHECKPOINTS = ["run.save_every=1000"]
-SIZES = {
+PART_SIZES = {  # what --size runs: epochs, config overrides and sweep ranges of the parts
     "tiny": dict(epochs=2, overrides=TINY_OVERRIDES + ["system.num_samplers=1"], samplers=[1, 2], rewards=[1],
                  sim_epochs=2, sim_batches=2, learner_free=False, ns=[1, 2], ranks=[4], repeats=2),
     "full": dict(epochs=6, overrides=["model.device=cpu", "run.image_grid_every=0", "run.tensorboard=false"],
@@ -105,7 +105,7 @@ def run_driver(cfg, worker_classes=None, tag="") -> dict:
     return {"records": records, "role_stats": d.role_stats, "total_s": total, "startup_s": total - wall}
 
 
-def init_ray(num_cpus: int):
+def start_bench_ray(num_cpus: int):
     """One local Ray for every part. Logical CPUs are only a placement budget here: the
     simulated actors sleep and the broadcast actors ask for 0.01 CPU."""
     import ray
@@ -454,7 +454,7 @@ def plot_overlap(res: dict, path: Path) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
-    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--size", choices=sorted(PART_SIZES), default="full")
     ap.add_argument("--epochs", type=int, help="epochs of the overhead/overlap runs (default 6 full, 2 tiny)")
     ap.add_argument("--samplers", type=int, nargs="+")
     ap.add_argument("--rewards", type=int, nargs="+", help="reward-actor counts for the scale simulation")
@@ -465,7 +465,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="default deploy/results/systems")
     ap.add_argument("overrides", nargs="*", help="config overrides on the tiny preset, key.sub=value")
     args = ap.parse_args(argv)
-    d = SIZES[args.size]
+    d = PART_SIZES[args.size]
     overrides = [*d["overrides"], *args.overrides]
     epochs = args.epochs or d["epochs"]
     out = out_dir("systems", args.out)
@@ -476,7 +476,7 @@ def main(argv=None) -> dict:
     samplers, rewards = args.samplers or d["samplers"], args.rewards or d["rewards"]
     # Logical CPUs: the real runs need sampler 1 + reward 0.5 + learner 1 each; everything else asks
     # for fractions. Few logical CPUs also means few workers prestarted by ray.init.
-    started = init_ray(max(4, int(np.ceil(config(overrides).system.num_samplers + 2.5))))
+    started = start_bench_ray(max(4, int(np.ceil(config(overrides).system.num_samplers + 2.5))))
     try:
         shapes: dict = {}
         oh = None

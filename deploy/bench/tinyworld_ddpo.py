@@ -3,7 +3,7 @@
     python -m diffrlhf.deploy.bench.tinyworld_ddpo [--epochs 20] [override ...]
     e.g. ... train.lr=0.01 train.clip_range=0.01
 
-Runs the single-process reference loop (learner.reference_loop.run_reference) on the `tiny`
+Runs the single-process reference loop (actors/reference_loop.py::run_reference) on the `tiny`
 preset, then writes the reward curve (epoch mean +- standard error) and a summary: the gain of the
 last three epochs' mean reward over the first three, in units of its standard error.
 """
@@ -16,6 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from diffrlhf.deploy.bench.common import RESULTS_DIR, pyplot
+from diffrlhf.deploy.config import load_config
 from diffrlhf.actors.reference_loop import run_reference
 
 
@@ -31,11 +34,7 @@ def summarise(records: list[dict], k: int = 3) -> dict:
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     e = [x["epoch"] for x in records]
     r = np.array([x["reward_mean"] for x in records])
     se = np.array([x["reward_se"] for x in records])
@@ -51,11 +50,9 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv=None):
-    from diffrlhf.deploy.config import load_config
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--results", type=Path, default=Path("deploy/results/tinyworld"))
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR / "tinyworld")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)

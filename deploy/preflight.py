@@ -1,0 +1,114 @@
+"""A run's inputs, checked before anything starts: no run folder, no Ray, no model loaded.
+
+    warnings = check_run_inputs(cfg)   # raises an InputError naming the config key and the fix
+
+Errors: a reward spec that cannot be built (unknown name, a custom callable that is not importable
+or not fn(images, prompts), kwargs the reward does not take, a weighted_sum term, missing weights),
+a prompt list (train or eval) that is missing or empty, a model that is not on this machine.
+Warnings: inputs that run, but not as written (replay.k above what the replay window holds, prompts
+that the text encoder truncates).
+"""
+from __future__ import annotations
+
+import os
+
+from diffrlhf.policy.models import ModelNotFoundError, resolve_model
+from diffrlhf.policy.prompts import load_prompts
+from diffrlhf.rewards import MissingWeightsError, RewardSpecError, check_spec
+from diffrlhf.rewards.clip_tokenizer import CONTEXT_LENGTH, tokenize
+
+
+class InputError(ValueError):
+    """A run input that cannot work. The message names the config key, the value and what to do."""
+
+
+class RewardInputError(InputError):
+    pass
+
+
+class PromptInputError(InputError):
+    pass
+
+
+class ModelInputError(InputError):
+    pass
+
+
+def check_run_inputs(cfg) -> list[str]:
+    """Raise an InputError for the first input that cannot work; return the warnings (say them once)."""
+    warnings = check_reward(cfg)
+    prompt_lists = check_prompts(cfg)
+    try:
+        resolve_model(cfg.model.name)
+    except ModelNotFoundError as e:
+        raise ModelInputError(f"model.name={cfg.model.name}: {e}") from None
+    warnings += replay_warnings(cfg)
+    for key, prompts in prompt_lists.items():
+        warnings += long_prompt_warnings(key, prompts)
+    return warnings
+
+
+def check_reward(cfg) -> list[str]:
+    spec = cfg.reward.spec
+    # Served in its own environment or on other nodes, the reward's files and modules need not be
+    # here: what is missing from this process is then a warning, not an error.
+    local = not os.environ.get("RAY_ADDRESS") and cfg.reward.runtime_env in (None, "auto")
+    try:
+        check_spec(spec, local=True)
+        return []
+    except (RewardSpecError, MissingWeightsError) as e:
+        if local:
+            raise RewardInputError(f"reward.spec={spec}: {e}") from None
+        missing_here = e
+    try:
+        check_spec(spec, local=False)
+    except RewardSpecError as e:
+        raise RewardInputError(f"reward.spec={spec}: {e}") from None
+    where = "its reward.runtime_env" if cfg.reward.runtime_env not in (None, "auto") else "the cluster's reward nodes"
+    return [f"reward.spec={spec}: not usable from this process ({missing_here}); the reward actors run in {where}, "
+            "which must have it"]
+
+
+def check_prompts(cfg) -> dict[str, list[str]]:
+    lists = {}
+    for key in ("prompts.train", "prompts.eval"):
+        source = getattr(cfg.prompts, key.split(".")[1])
+        try:
+            lists[key] = load_prompts(source)
+        except (FileNotFoundError, ValueError) as e:
+            raise PromptInputError(f"{key}={source}: {e}") from None
+    return lists
+
+
+def replay_warnings(cfg) -> list[str]:
+    r, s = cfg.replay, cfg.sample
+    window = r.max_epochs * cfg.samples_per_epoch()
+    if r.mode == "none" or r.k <= window:
+        return []
+    return [f"replay.k={r.k} is more than the replay window holds (replay.max_epochs x sample.batch_size x "
+            f"sample.batches_per_epoch = {r.max_epochs} x {s.batch_size} x {s.batches_per_epoch} = {window}): "
+            f"at most {window} trajectories are replayed per update. Lower replay.k or raise replay.max_epochs."]
+
+
+def long_prompts(prompts: list[str]) -> list[str]:
+    """The prompts longer than CLIP's 77 tokens (start and end token included), in order."""
+    # A prompt has at most one BPE token per UTF-8 byte (lower-casing may add a few bytes), so
+    # short prompts cannot overflow and need no tokenizer.
+    maybe = [p for p in prompts if len(p.encode()) * 3 // 2 > CONTEXT_LENGTH - 2]
+    if not maybe:
+        return []
+    # One slot more than CLIP holds: the end token lands in the extra slot only for a longer prompt.
+    ids = tokenize(maybe, CONTEXT_LENGTH + 1)
+    return [p for p, row in zip(maybe, ids) if row[CONTEXT_LENGTH] != 0]
+
+
+def long_prompt_warnings(key: str, prompts: list[str]) -> list[str]:
+    try:
+        long = long_prompts(prompts)
+    except (OSError, ImportError) as e:  # no CLIP vocabulary here: say so, the run itself does not need it
+        return [f"{key}: prompt lengths not checked ({e})"]
+    if not long:
+        return []
+    first = long[0] if len(long[0]) <= 120 else long[0][:117] + "..."
+    return [f"{key}: {len(long)} of {len(prompts)} prompts are longer than {CONTEXT_LENGTH} CLIP tokens and are "
+            f"truncated to {CONTEXT_LENGTH} (the text encoder reads no more); the first: {first!r}"]

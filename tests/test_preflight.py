@@ -1,0 +1,102 @@
+"""Bad run inputs fail before anything starts (no run folder, no Ray, no driver), naming the config
+key and the fix; inputs that run but not as written are warned about once."""
+import textwrap
+
+import pytest
+
+from diffrlhf.deploy.config import load_config
+from diffrlhf.deploy.preflight import InputError, check_run_inputs, long_prompts
+
+
+@pytest.fixture
+def no_start(monkeypatch, tmp_path):
+    """Offline, empty weight caches; Ray and the driver fail the test if anything reaches them."""
+    import diffrlhf.actors.driver as driver
+
+    def started(*a, **k):
+        raise AssertionError("the run started despite bad input")
+
+    monkeypatch.setattr(driver, "Driver", started)
+    monkeypatch.setattr(driver, "init_ray", started)
+    for var, sub in [("HOME", "home"), ("HF_HOME", "hf"), ("HF_HUB_CACHE", "hf/hub"), ("DIFFRLHF_CACHE", "dcache")]:
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HPS_ROOT", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "my_bad_reward.py").write_text(textwrap.dedent("""
+        def one_arg(images):
+            return images
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("override, words", [
+    ("reward.spec=nonsense", ["reward.spec=nonsense", "unknown reward", "jpeg_compressibility"]),
+    ("reward.spec=no_such_module:score", ["reward.spec=no_such_module:score", "cannot import module", "PYTHONPATH"]),
+    ("reward.spec=my_bad_reward:one_arg", ["reward.spec=my_bad_reward:one_arg", "(images, prompts)"]),
+    ("reward.spec={name: jpeg_compressibility, qualty: 90}", ["reward.spec=", "'qualty'", "it takes: quality"]),
+    ("reward.spec={name: weighted_sum, terms: [jpeg_compressibility, {name: nope, weight: 2}]}",
+     ["reward.spec=", "weighted_sum term 1", "'nope'"]),
+    ("reward.spec=aesthetic", ["reward.spec=aesthetic", "sac+logos+ava1-l14-linearMSE.pth", "Looked in", "dcache/aesthetic",
+                               "diffrlhf fetch-weights aesthetic"]),
+    ("reward.spec=imagereward", ["ImageReward.pt", "diffrlhf fetch-weights imagereward"]),
+    ("reward.spec=hpsv2", ["HPS_v2.1_compressed.pt", "diffrlhf fetch-weights hpsv2"]),
+    ("prompts.train=/nonexistent.txt", ["prompts.train=/nonexistent.txt", "one prompt per line", "tiny-world-train"]),
+    ("prompts.eval={tmp}/empty.txt", ["prompts.eval=", "empty.txt", "no prompts"]),
+    ("model.name={tmp}/no-model", ["model.name=", "no-model", "does not exist"]),
+])
+def test_bad_input_fails_before_anything_starts(no_start, capsys, override, words):
+    ray = pytest.importorskip("ray")
+    from diffrlhf.deploy.cli import main
+
+    ray.shutdown()
+    out_dir = no_start / "runs"
+    code = main(["train", override.replace("{tmp}", str(no_start)), f"run.out_dir={out_dir}", "run.name=r"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+    assert not out_dir.exists()  # no run folder left behind
+    assert not ray.is_initialized()
+
+
+def test_custom_reward_on_other_nodes_is_a_warning_not_an_error(no_start, monkeypatch):
+    # Served with its own runtime_env (or on a cluster), the module need not import here; names still must be right.
+    cfg = load_config("tiny", overrides=["reward.spec=no_such_module:score", "reward.runtime_env={pip: [x]}"])
+    warnings = check_run_inputs(cfg)
+    assert any("reward.spec=no_such_module:score" in w and "runtime_env" in w for w in warnings)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://nowhere:10001")
+    with pytest.raises(InputError, match="unknown reward 'nonsense'"):
+        check_run_inputs(load_config("tiny", overrides=["reward.spec=nonsense"]))
+
+
+def test_replay_k_above_the_window_is_warned(no_start):
+    # tiny: 8 x 4 = 32 samples per epoch
+    base = ["replay.mode=hardmine", "sample.batch_size=8", "sample.batches_per_epoch=4"]
+    assert not [w for w in check_run_inputs(load_config("tiny", overrides=base + ["replay.max_epochs=2", "replay.k=64"]))
+                if "replay.k" in w]
+    warnings = check_run_inputs(load_config("tiny", overrides=base + ["replay.max_epochs=2", "replay.k=65"]))
+    assert any("replay.k=65" in w and "= 64" in w and "replay.max_epochs" in w for w in warnings)
+    none = load_config("tiny", overrides=base + ["replay.mode=none", "replay.k=1000"])
+    assert not [w for w in check_run_inputs(none) if "replay.k" in w]  # no replay, nothing capped
+
+
+def test_long_prompts_are_counted_in_clip_tokens(no_start):
+    # "a" is one CLIP token: 75 of them plus start and end fill the 77 slots exactly.
+    fits, over = " ".join(["a"] * 75), " ".join(["a"] * 76)
+    assert long_prompts([fits, over, "short", "x" * 200]) == [over]
+    (no_start / "long.txt").write_text(f"a red ball\n{over}\n{fits}\n{over} again\n")
+    warnings = check_run_inputs(load_config("tiny", overrides=[f"prompts.train={no_start}/long.txt"]))
+    [w] = [w for w in warnings if "77 CLIP tokens" in w]
+    assert w.startswith("prompts.train:") and "2 of 4 prompts" in w and "'a a a" in w and "truncated" in w
+    assert not [w for w in check_run_inputs(load_config("tiny")) if "CLIP tokens" in w]
+
+
+def test_warnings_are_printed_once_at_start(no_start, capsys):
+    from diffrlhf.deploy.cli import preflight
+
+    preflight(load_config("tiny", overrides=["replay.mode=random", "replay.max_epochs=1", "replay.k=100"]))
+    err = capsys.readouterr().err
+    assert err.count("[diffrlhf] warning: replay.k=100") == 1
