@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import ray
+from tqdm import tqdm
 
 from diffrlhf.actors.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from diffrlhf.actors.observe import RunMetrics, Watchdog
@@ -416,6 +417,5 @@ def _fmt(resources: dict) -> str:
 def _bar(total: int, start: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="epochs", unit="epoch")

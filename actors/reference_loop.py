@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm import tqdm
 
 from diffrlhf.actors.settings import advantage_computer, build_policy, replay_buffer, reward_server, sampling_settings
 from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
@@ -63,6 +64,5 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, desc="reference epochs", unit="epoch")

@@ -6,10 +6,12 @@ what goes to disk and across processes.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.feather as feather
 import torch
 
 # Tensor fields, each with the batch as its first dimension.
@@ -134,14 +136,10 @@ class TrajectoryBatch:
         return TrajectoryBatch.from_arrow(pa.ipc.open_stream(pa.py_buffer(data)).read_all())
 
     def save(self, path) -> None:
-        import pyarrow.feather as feather
-
         feather.write_feather(self.to_arrow(), str(path), compression="zstd")
 
     @staticmethod
     def load(path) -> "TrajectoryBatch":
-        import pyarrow.feather as feather
-
         return TrajectoryBatch.from_arrow(feather.read_table(str(path)))
 
     def equals(self, other: "TrajectoryBatch") -> bool:
@@ -166,12 +164,8 @@ def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _json_dumps(d: dict) -> bytes:
-    import json
-
     return json.dumps(d, sort_keys=True).encode()
 
 
 def _json_loads(b: bytes) -> dict:
-    import json
-
     return json.loads(b.decode())

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 EXIT_INPUT, EXIT_RUN_FAILED, EXIT_CHECKPOINT, EXIT_INTERRUPTED = 2, 3, 4, 130
 EXIT_CODES = f"""exit codes:
   0    done
@@ -38,11 +40,10 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_cfg(args):
-    from diffrlhf.deploy.config import config_from_dict, load_config, parse_override, _apply, validate
+    from diffrlhf.deploy.config import _apply, config_from_dict, load_config, parse_override, validate
     from diffrlhf.deploy.preflight import InputError
 
     if getattr(args, "resume", None):
-        import yaml
 
         path = Path(args.resume) / "config.yaml"
         if not path.exists():
@@ -97,8 +98,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_reference(args) -> int:
-    from diffrlhf.deploy.runlog import RunLogger, make_run_dir
     from diffrlhf.actors.reference_loop import run_reference
+    from diffrlhf.deploy.runlog import RunLogger, make_run_dir
 
     cfg = load_cfg(args)
     preflight(cfg)
@@ -171,7 +172,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from diffrlhf.deploy.evaluate import cmd_eval as evaluate, format_table
+    from diffrlhf.deploy.evaluate import cmd_eval as evaluate
+    from diffrlhf.deploy.evaluate import format_table
 
     result = evaluate(args.run, args.lora, args.n, args.clip, args.out)
     print(format_table(result))

@@ -16,10 +16,10 @@ import yaml
 
 from diffrlhf.actors.settings import sampling_settings
 from diffrlhf.policy.models import SDComponents, resolve_model
-from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.rewards import build_reward
+from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
 from diffrlhf.rewards.preprocess import clip_preprocess  # CLIP's resize/crop/normalise, torch only
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from PIL import Image, ImageDraw
+
 from diffrlhf.actors.observe import maybe_wandb
 from diffrlhf.deploy.baseline import ddpo_band, gain_summary
 
@@ -139,7 +141,6 @@ class RunLogger:
 
 def save_image_grid(images, captions: list[str] | None, path: str | Path, cols: int = 8, scale: int = 0) -> Path:
     """uint8 [N, H, W, 3] -> one PNG grid, with small captions when the images are large enough."""
-    from PIL import Image, ImageDraw
 
     images = np.asarray(images)
     n, h, w, _ = images.shape

@@ -8,7 +8,10 @@ returned spec points at it.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -88,9 +91,6 @@ def fetch_weights(name: str, dest: str | None = None, version: str = "v2.1") -> 
 
 def main(argv=None) -> int:
     """`python -m diffrlhf.rewards.fetch NAME [--dest DIR] [--version v2.1]` (what the CLI wraps)."""
-    import argparse
-    import json
-    import sys
 
     p = argparse.ArgumentParser(prog="diffrlhf fetch-weights")
     p.add_argument("name")

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ._weights import find_weight_file
 from .clip_tokenizer import EOT, SOT, load_clip_tokenizer, tokenize
@@ -153,7 +154,6 @@ class PackageHPSv2:
                 "(protobuf<4 breaks Ray; open_clip needs torchvision). Run it in its own environment: "
                 "runtime_env=default_runtime_env('hpsv2_pkg'), or use the native 'hpsv2'."
             ) from e
-        from PIL import Image
 
         self._Image = Image
         root = os.environ.get("HPS_ROOT") or os.path.expanduser("~/.cache/hpsv2")

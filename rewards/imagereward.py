@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from PIL import Image
 
 from ._weights import MissingWeightsError, find_weight_file, hf_cached_file
 from .aesthetic import AestheticMLP
@@ -206,7 +207,6 @@ class PackageImageReward:
                 "stack. Run this reward in its own environment: runtime_env=default_runtime_env('imagereward_pkg') "
                 "or a venv from rewards/envs/imagereward-requirements.txt; or use the native 'imagereward'."
             ) from e
-        from PIL import Image
 
         self._Image = Image
         root = download_root or os.path.expanduser("~/.cache/ImageReward")

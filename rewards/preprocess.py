@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -87,7 +88,6 @@ def normalize(x01: torch.Tensor, mean=CLIP_MEAN, std=CLIP_STD) -> torch.Tensor:
 
 def pil_resize(images, hw: tuple[int, int]) -> torch.Tensor:
     """PIL bicubic resize per image (bit-exact with the upstream pipelines), float NCHW 0..255."""
-    from PIL import Image
 
     arr = np.asarray(images)
     if tuple(arr.shape[1:3]) == tuple(hw):

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder, write_clip_tokenizer
 from diffrlhf.tinyworld import scenes as tw
 from diffrlhf.tinyworld import weights as tww
-from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, TinySize, build_tiny_components, save_components_folder, to_vae_input
+from diffrlhf.tinyworld.architecture import (SD15_SCHEDULER_CONFIG, TinySize, build_tiny_components, save_components_folder,
+                                             to_vae_input)
 
 # The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), for faster training.
 SIZE = TinySize(attention_head_dim=4)
@@ -241,7 +243,6 @@ def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch
 
 def write_compact(full: Path, out: Path) -> None:
     """From a saved diffusers folder, write the committed layout: configs + compact weights.safetensors."""
-    from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True, exist_ok=True)
     for sub, fname in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]:

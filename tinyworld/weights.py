@@ -10,6 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from diffrlhf.rewards._weights import cache_dir
 from diffrlhf.rewards.clip_tokenizer import write_clip_tokenizer
 from diffrlhf.tinyworld.architecture import build_folder_once
@@ -51,7 +53,6 @@ def _missing_error(why: str) -> TinyWorldWeightsError:
 
 def assemble_folder(src: Path, dst: Path) -> None:
     """Write a standard fp32 diffusers folder at dst from the compact committed files in src."""
-    from safetensors.torch import load_file, save_file
 
     for sub, name in [("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"), ("text_encoder", "model")]:
         (dst / sub).mkdir(parents=True)

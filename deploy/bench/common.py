@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
@@ -35,7 +36,6 @@ def log(tag: str, msg: str) -> None:
 
 def machine() -> dict:
     """What the numbers were measured on: shared machines skew timings, so record the load too."""
-    import torch
 
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

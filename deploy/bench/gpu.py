@@ -24,9 +24,14 @@ JPEG scoring time, update time per sample, tensor shapes) to simulate SD1.5-on-G
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
 from diffrlhf.learner.lora import DEFAULT_RANK
@@ -55,7 +60,6 @@ PROMPT = "a photo of a cat sitting on a wooden table"
 
 def build_components(size: str, device: str, dtype):
     """SDComponents with random weights: SD1.5's shapes (full) or the tiny model (tiny)."""
-    import torch
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -79,16 +83,12 @@ def build_components(size: str, device: str, dtype):
 
 
 def sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 def count_flops(learner, resolution: int, guidance: float) -> dict:
     """FLOPs of one guided UNet call (cond + uncond) for one image: forward, and forward + backward."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
     c = learner.c
     h = resolution // c.vae_scale_factor
@@ -119,8 +119,6 @@ def median_seconds(fn, device: str, repeats: int) -> float:
 
 
 def peak_memory_gb(device: str):
-    import torch
-
     if device != "cuda":
         return None
     gb = torch.cuda.max_memory_allocated() / 2**30
@@ -129,8 +127,6 @@ def peak_memory_gb(device: str):
 
 
 def measure_sampling(learner, settings, batches, repeats, device, flops, peak) -> tuple[list, dict]:
-    from dataclasses import replace
-
     c, rows, last = learner.c, [], {}
     for b in batches:
         def run(s=settings, b=b):
@@ -184,10 +180,6 @@ def measure_update(learner, batch, batches, repeats, device, flops, peak, timest
 
 
 def _free(device: str) -> None:
-    import gc
-
-    import torch
-
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -202,8 +194,6 @@ def scoring_seconds(batch) -> float:
 
 
 def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
-    import torch
-
     t0 = time.time()
     comps = build_components(args.size, device, getattr(torch, dtype_name))
     # The learner's defaults (LoRA rank and targets, clip range, eta) but lr, SD1.5's CFG scale and the trained fraction.
@@ -257,7 +247,6 @@ def main(argv=None) -> dict:
     for k in ("dtypes", "sample_batches", "update_batches", "steps", "resolution", "device"):
         if getattr(args, k) is None:
             setattr(args, k, d[k])
-    import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU visible; use --size tiny (CPU) to check the script")

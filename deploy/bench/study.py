@@ -37,12 +37,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
-from diffrlhf.deploy.config import _flatten, load_config
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
 from diffrlhf.buffer.replay import MODES as REPLAY_MODES
+from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from diffrlhf.deploy.config import _flatten, load_config
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
@@ -347,7 +348,6 @@ def main(argv=None) -> dict:
     n_eval = d["eval_samples"] if args.eval_samples is None else args.eval_samples
     out = out_dir("study", args.out)
     if args.threads:
-        import torch
 
         torch.set_num_threads(args.threads)
     # Distinct (scheme, replay) runs across the chosen suites, so shared ones run once.

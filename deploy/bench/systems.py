@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
 from diffrlhf.actors.driver import Driver
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker, timed
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
 from diffrlhf.rewards.serving import ScoreResult
 
 PARTS = ["overhead", "overlap", "scale", "broadcast"]
@@ -78,7 +79,6 @@ def ref_seconds(records, skip):
 
 def run_reference_timed(cfg, on_epoch=None) -> list[dict]:
     """The reference loop with the actors' torch thread count, so both sides use the same kernels."""
-    import torch
 
 
     threads = torch.get_num_threads()
@@ -203,7 +203,6 @@ def sim_classes(calib: dict) -> dict:
     Defined in a function so cloudpickle ships them by value to the actor processes (as the
     system tests do); class attributes carry the calibration.
     """
-    import torch
 
 
     shapes = calib["shapes"]
@@ -376,8 +375,6 @@ def holder_class():
         """A stand-in sampler: keeps its own copy of the LoRA tensors and loads broadcasts into it."""
 
         def __init__(self, shapes):
-            import torch
-
             torch.set_num_threads(1)
             self.params = {n: torch.empty(s) for n, s in shapes.items()}
 
@@ -392,7 +389,6 @@ def holder_class():
 
 def broadcast(ns, ranks, repeats: int) -> dict:
     import ray
-    import torch
 
     Holder = holder_class()
     out = {"ranks": {}, "repeats": repeats, "how": "t0 before ray.put((version, state)); each actor gets the ObjectRef as its "

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.deploy.bench.common import RESULTS_DIR, pyplot
 from diffrlhf.deploy.config import load_config
-from diffrlhf.actors.reference_loop import run_reference
 
 
 def summarise(records: list[dict], k: int = 3) -> dict:
