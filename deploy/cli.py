@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,7 +68,7 @@ def preflight(cfg) -> None:
 
 def cmd_train(args) -> int:
     from diffrlhf.actors.checkpoint import load_checkpoint
-    from diffrlhf.actors.driver import Driver, init_ray
+    from diffrlhf.actors.driver import Driver, RunFailed, init_ray
     from diffrlhf.deploy.runlog import RunLogger, make_run_dir
 
     cfg = load_cfg(args)
@@ -82,6 +83,10 @@ def cmd_train(args) -> int:
         init_ray(cfg)
         driver = Driver(cfg, run_dir, logger=logger, progress=not args.no_progress, resume_state=state)
         records = driver.run()
+    except RunFailed:
+        if not args.resume:
+            _discard_if_unused(run_dir, logger)
+        raise
     except KeyboardInterrupt:
         _interrupted(run_dir)
         if args.debug:
@@ -95,6 +100,14 @@ def cmd_train(args) -> int:
     logger.plot_reward_curve()
     _summary(cfg, records, wall, run_dir, driver.role_stats)
     return 0
+
+
+def _discard_if_unused(run_dir: Path, logger) -> None:
+    """A new run that failed before its first epoch (say, actors that cannot be placed) leaves no
+    folder behind: it would hold only config.yaml and an empty tb/, and block the run name."""
+    if not any((run_dir / f).exists() for f in ("metrics.jsonl", "checkpoint", "checkpoint.prev", "checkpoint.tmp", "lora")):
+        logger.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def cmd_reference(args) -> int:

@@ -180,6 +180,28 @@ def test_run_failed_is_one_clean_line_and_debug_shows_the_traceback(fake_driver,
         main(["train", f"run.out_dir={tmp_path}", "run.name=b", "--debug"])
 
 
+def test_a_new_run_that_fails_before_its_first_epoch_leaves_no_folder(fake_driver, tmp_path, capsys):
+    """E.g. actors that cannot be placed: the folder would hold only config.yaml and block the name.
+    One that got as far as a checkpoint is kept (it can be resumed)."""
+    from diffrlhf.actors.driver import RunFailed
+    from diffrlhf.deploy.cli import main
+
+    def fail(drv):
+        raise RunFailed("this local Ray can never start every actor the config asks for")
+
+    fake_driver["run"] = fail
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=a", "--no-progress"]) == 3
+    assert not (tmp_path / "a").exists()
+
+    def fail_after_a_save(drv):
+        _save(1)(drv)
+        fail(drv)
+
+    fake_driver["run"] = fail_after_a_save
+    assert main(["train", f"run.out_dir={tmp_path}", "run.name=b", "--no-progress"]) == 3
+    assert (tmp_path / "b" / "checkpoint" / "state.pt").exists() and (tmp_path / "b" / "config.yaml").exists()
+
+
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(fake_driver, tmp_path, capsys):
     from diffrlhf.deploy.cli import main
 
