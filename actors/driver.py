@@ -211,6 +211,8 @@ class Driver:
                     self._submit(self._on_result(ref, task, extra))
         except RunFailed as e:
             raise RunFailed(f"{str(e).rstrip('.')}.{self._resume_hint()}") from None
+        except ray.exceptions.RayActorError as e:  # a core role died outside a task's result (checkpoint, LoRA save)
+            raise RunFailed(f"an actor died while the driver saved the run: {_error_text(e)}.{self._resume_hint()}") from None
         finally:
             if self.bar is not None:
                 self.bar.close()

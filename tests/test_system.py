@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 
 from diffrlhf.actors.checkpoint import load_checkpoint  # noqa: E402
 from diffrlhf.actors.driver import Driver, RunFailed  # noqa: E402
-from diffrlhf.actors.workers import RewardWorker, SamplerWorker  # noqa: E402
+from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker  # noqa: E402
 from diffrlhf.deploy.config import load_config  # noqa: E402
 from diffrlhf.rewards.serving import RewardServer  # noqa: E402
 
@@ -192,6 +192,22 @@ def test_dead_learner_stops_with_resumable_checkpoint(tmp_path):
     with pytest.raises(RunFailed, match=r"(?s)learner actor died.*The last checkpoint \(1 of 3 epochs done\).*--resume"):
         d.run()
     assert (tmp_path / "run" / "checkpoint" / "state.pt").exists()
+    d.shutdown()
+
+
+def learner_dying_in_checkpoint():
+    class DyingLearner(LearnerWorker):  # dies when the driver reads its state for the checkpoint
+        def state_dict(self):
+            os._exit(1)
+
+    return DyingLearner
+
+
+def test_a_learner_that_dies_during_a_checkpoint_save_names_the_resume_command(tmp_path):
+    cfg = cfg_with("train.epochs=2", "system.max_policy_lag=0")
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner_dying_in_checkpoint()})
+    with pytest.raises(RunFailed, match=r"(?s)died while the driver saved the run.*No checkpoint was written yet"):
+        d.run()
     d.shutdown()
 
 
