@@ -69,12 +69,13 @@ def test_lora_diff_and_next_epoch():
 
 def test_tiny_sampler_kill_survives_with_the_reference_lora(tmp_path):
     """Two tiny Ray runs (~60 s, mostly actor start-up). The kill lands early (20-50% of the run),
-    while both samplers still have batches to do, so the driver must see the death and retry."""
+    while both samplers still have batches to do, and is held until a call of the sampler is running
+    (--when busy: a kill between calls is seen by Ray alone), so the driver must see the death and retry."""
     pytest.importorskip("ray")
     from diffrlhf.deploy.bench import faults
 
     res = faults.main(["--size", "tiny", "--epochs", "3", "--n", "1", "--kinds", "sampler", "--window", "0.2", "0.5",
-                       "--out", str(tmp_path)])
+                       "--when", "busy", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "faults.json").read_text())
     assert [r["kind"] for r in data["rows"]] == ["sampler"] and data["reference"]["reward_queries"] == 3 * 8
     (row,) = res["rows"]

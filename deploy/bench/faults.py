@@ -2,8 +2,8 @@
 it with an uninterrupted run of the same config and seed.
 
     python -m diffrlhf.deploy.bench.faults [--size full|tiny] [--epochs 4] [--n 2]
-        [--kinds sampler reward learner driver] [--seed 0] [--window 0.15 0.85] [--out DIR] [--runs DIR]
-        [--report-only] [key.sub=value ...]
+        [--kinds sampler reward learner driver] [--seed 0] [--window 0.15 0.85] [--when any|busy]
+        [--out DIR] [--runs DIR] [--report-only] [key.sub=value ...]
 
 One reference run (the `tiny` preset: 2 samplers, 1 reward actor, max_policy_lag 1, on CPU), then
 for each fault kind N runs in their own run folders, each with one fault injected from a
@@ -29,6 +29,9 @@ per-epoch reward means and the final LoRA (checkpoint/state.pt) against the refe
 recovery (elapsed time, resumes and actor start-ups included, minus the reference's; and kill ->
 next completed epoch, beside the same offset -> next epoch in the reference), and where the kill
 landed. A fault whose moment came after the run had finished is reported as not injected.
+--when busy (sampler and reward kinds) holds a kill, once its moment has come, until a call of the
+chosen actor is running, so the driver sees the death and re-sends (a kill between calls is only
+seen by Ray, which restarts the actor); the default `any` kills at the moment, as a crash would.
 
 Writes faults.json, faults.md (one row per fault, one summary row per kind) and faults.png (epoch
 completion timelines) into deploy/results/faults/ or --out. --size tiny (tiny-random model, 4 DDIM
@@ -71,9 +74,9 @@ class Injector(threading.Thread):
     """Waits until the driver's actors have started (Driver.run sets t_run), then `delay` seconds,
     then injects `kind` once, unless the run has finished or stop() was called."""
 
-    def __init__(self, driver: Driver, kind: str, delay: float, index: int):
+    def __init__(self, driver: Driver, kind: str, delay: float, index: int, when: str = "any"):
         super().__init__(daemon=True)
-        self.d, self.kind, self.delay, self.index = driver, kind, delay, index
+        self.d, self.kind, self.delay, self.index, self.when = driver, kind, delay, index, when
         self.lock, self.stopped = threading.Lock(), threading.Event()
         self.at: dict | None = None  # where the fault landed, once injected
 
@@ -83,6 +86,9 @@ class Injector(threading.Thread):
                 return
         if self.stopped.wait(self.delay):
             return
+        while self.when == "busy" and self.kind in ("sampler", "reward") and not self._target_busy():
+            if self.stopped.wait(0.005) or self.d.sched.finished:
+                return
         with self.lock:  # stop() waits for an injection in progress: the caller then knows whether it happened
             if self.stopped.is_set() or self.d.sched.finished:
                 return
@@ -100,11 +106,20 @@ class Injector(threading.Thread):
         with self.lock:
             self.stopped.set()
 
+    def _target_busy(self) -> bool:
+        """A call of the chosen actor is submitted and has not returned (Ray's wait, not the driver's view)."""
+        try:
+            refs = [ref for ref, (t, *_) in list(self.d.pending.items())
+                    if getattr(t, "role", None) == self.kind and getattr(t, "actor", None) == self.index]
+        except (AttributeError, RuntimeError):  # not running yet, or the dict changed while copied
+            return False
+        return bool(refs) and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs)
+
 
 # ----------------------------------------------------------------------------- one run
 
 
-def run_once(cfg, run_dir: Path, kind: str | None = None, delay: float = 0.0, index: int = 0) -> dict:
+def run_once(cfg, run_dir: Path, kind: str | None = None, delay: float = 0.0, index: int = 0, when: str = "any") -> dict:
     """One run to the end (kind None: the reference), resumed once after a learner or driver fault.
     Returns records per epoch (the latest part's record wins), epoch completion times, the final
     LoRA, timings and what happened at the stop."""
@@ -118,7 +133,7 @@ def run_once(cfg, run_dir: Path, kind: str | None = None, delay: float = 0.0, in
     t0, resume, t_start = time.time(), False, None
     for part in range(2):
         d = Driver(cfg, run_dir, progress=False, resume=resume, on_update=hook)
-        inj = Injector(d, kind, delay, index) if kind and part == 0 else None
+        inj = Injector(d, kind, delay, index, when) if kind and part == 0 else None
         # interrupt_main() does nothing while SIGINT is ignored, as it is in a background job of a
         # non-interactive shell: give the run Python's handler (restored below).
         sigint = signal.signal(signal.SIGINT, signal.default_int_handler) if kind == "driver" and inj else None
@@ -264,7 +279,8 @@ def table_markdown(res: dict) -> str:
              f"Reference (uninterrupted): {ref['elapsed_s']:.1f} s elapsed, {ref['wall_s']:.1f} s after the actors started, "
              f"{ref['reward_queries']} reward queries, per-epoch reward means "
              f"{', '.join(f'{x:.4f}' for x in ref['reward_means'])}. Faults land uniformly in "
-             f"{res['window'][0]:.0%}-{res['window'][1]:.0%} of its {ref['wall_s']:.1f} s after the actors started.", "",
+             f"{res['window'][0]:.0%}-{res['window'][1]:.0%} of its {ref['wall_s']:.1f} s after the actors started"
+             + ("; sampler and reward kills are held until a call of the actor is running." if res.get("when") == "busy" else "."), "",
              "| fault | # | landed (epochs done, s) | survived | batches dropped | queries = ref | counted twice | re-made (counter) | "
              "rewards = ref | LoRA = ref (max abs diff) | extra time (s) | kill -> next epoch (ref) (s) | deaths / retries / restarts |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -338,6 +354,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
     ap.add_argument("--seed", type=int, default=0, help="seeds the fault moments and the killed actor (run.seed is the runs' own)")
     ap.add_argument("--window", type=float, nargs=2, default=[0.15, 0.85], help="fractions of the reference's wall time")
+    ap.add_argument("--when", choices=["any", "busy"], default="any",
+                    help="busy: hold a sampler/reward kill until a call of that actor is running")
     ap.add_argument("--out", help="default deploy/results/faults")
     ap.add_argument("--runs", help="keep the run folders here (default: a temporary folder, deleted)")
     ap.add_argument("--report-only", action="store_true", help="rewrite faults.md and faults.png from faults.json")
@@ -362,6 +380,7 @@ def main(argv=None) -> dict:
         wall = ref["records"][-1]["wall_s"]
         log("faults", f"reference: {ref['elapsed_s']:.1f}s elapsed, {wall:.1f}s after the actors started")
         res = {"machine": machine(), "size": args.size, "epochs": args.epochs, "n": args.n, "seed": args.seed, "window": args.window,
+               "when": args.when,
                "overrides": overrides, "atol": ATOL,
                "reference": {"elapsed_s": ref["elapsed_s"], "wall_s": wall, "reward_queries": ref["records"][-1]["reward_queries"],
                              "reward_means": [r["reward_mean"] for r in ref["records"]], "epoch_done_s": ref["epoch_done_s"],
@@ -375,7 +394,7 @@ def main(argv=None) -> dict:
                 index = int(rng.integers(count))
                 log("faults", f"{kind} {k + 1}/{args.n}: fault {delay:.1f}s after the actors start"
                               + (f" ({kind}-{index})" if kind in ("sampler", "reward") else ""))
-                run = run_once(cfg, runs_dir / f"{kind}_{k}", kind, delay, index)
+                run = run_once(cfg, runs_dir / f"{kind}_{k}", kind, delay, index, args.when)
                 row = compare(run, ref, args.epochs)
                 res["rows"].append(row)
                 if row["injected"]:
