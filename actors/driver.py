@@ -29,6 +29,7 @@ from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFai
 from diffrlhf.actors.settings import reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
 from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
+from diffrlhf.learner.lora import flatten_lora_state
 from diffrlhf.policy.prompts import load_prompts, plan_batch
 
 __all__ = ["Driver", "RunFailed", "init_ray"]
@@ -149,7 +150,8 @@ class Driver:
         the untrained epochs are sampled with: a resume re-samples those epochs identically."""
         t = self.cfg.system.checkpoint_timeout_s
         learner_state, buffer_state = ray.get([self.learner.state_dict.remote(), self.buffer.state_dict.remote()], timeout=t)
-        versions = {v: ray.get(self.weights[v], timeout=t)[1] for v in self.sched.needed_versions()}
+        # broadcasts are flat buffers; checkpoints keep the dict of tensors they always held
+        versions = {v: ray.get(self.weights[v], timeout=t)[1].to_state_dict() for v in self.sched.needed_versions()}
         save_checkpoint(self.run_dir, {"learner": learner_state, "buffer": buffer_state, **self.sched.state_dict(),
                                        "versions": versions, "wall_s": wall_s, "config": self.cfg.to_dict()})
 
@@ -190,7 +192,7 @@ class Driver:
         self.start_actors()
         if state is not None:
             ray.get([self.learner.load_state_dict.remote(state["learner"]), self.buffer.load_state_dict.remote(state["buffer"])])
-            self.weights = {v: ray.put((v, lora)) for v, lora in state["versions"].items()}
+            self.weights = {v: ray.put((v, flatten_lora_state(lora))) for v, lora in state["versions"].items()}
             if self.logger is not None:
                 self.logger.truncate(self.sched.epochs_done)
         else:

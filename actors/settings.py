@@ -32,7 +32,8 @@ def update_settings(cfg) -> UpdateSettings:
     return UpdateSettings(
         lr=t.lr, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, weight_decay=t.weight_decay,
         adam_eps=t.adam_eps, clip_range=t.clip_range, max_grad_norm=t.max_grad_norm,
-        timestep_fraction=t.timestep_fraction, inner_epochs=t.inner_epochs, batch_size=t.batch_size,
+        timestep_fraction=t.timestep_fraction, timestep_selection=t.timestep_selection, total_epochs=t.epochs,
+        inner_epochs=t.inner_epochs, batch_size=t.batch_size,
         grad_accum_steps=t.grad_accum_steps, weighting=cfg.weighting.scheme,
         gaussian_width=cfg.weighting.gaussian_width, logprob_mode=cfg.replay.logprob_mode,
         eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale,

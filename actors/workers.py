@@ -15,7 +15,7 @@ import torch
 from diffrlhf.actors.settings import advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings
 from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.learner.lora import add_lora, load_lora_state_dict, save_lora
+from diffrlhf.learner.lora import FlatLoRA, add_lora, flat_lora_state, load_flat_lora, save_lora, tile_lora_parameters
 from diffrlhf.policy.sampler import sample_trajectories
 
 
@@ -59,25 +59,26 @@ class SamplerWorker(_Role):
         self._init_role(cfg, f"sampler-{rank}")
         self.components = load_model(cfg)
         add_lora(self.components.unet, cfg.model.lora_rank, cfg.model.lora_alpha or None, tuple(cfg.model.lora_targets), seed=cfg.run.seed)
+        tile_lora_parameters(self.components.unet)  # the LoRA in one tensor: each new version loads with one copy
         self.settings = sampling_settings(cfg)
         self.negative_embeds = self.components.encode_prompts([cfg.sample.negative_prompt])
         self.version = -1  # no weights yet: the first call always loads the ones it is given
 
-    def set_weights(self, version: int, lora_state: dict) -> None:
-        load_lora_state_dict(self.components.unet, lora_state)
+    def set_weights(self, version: int, lora: FlatLoRA) -> None:
+        load_flat_lora(self.components.unet, lora)
         self.version = version
 
     @timed
-    def sample(self, plan, weights: tuple[int, dict]):
+    def sample(self, plan, weights: tuple[int, FlatLoRA]):
         """Returns (info, reward input, full batch): the reward actors get only images, prompts and ids.
 
-        `weights` is (version, LoRA state), resolved by Ray from the learner's one broadcast object;
-        it is loaded only when the version changed.
+        `weights` is (version, flat LoRA), resolved by Ray from the learner's one broadcast object
+        (its buffer a zero-copy view of the store); it is loaded only when the version changed.
         """
         t0 = time.perf_counter()
-        version, lora_state = weights
+        version, lora = weights
         if version != self.version:
-            self.set_weights(version, lora_state)
+            self.set_weights(version, lora)
         batch = sample_trajectories(self.components, plan.prompts, plan.seeds, self.settings, self.version,
                                     plan.sample_ids, self.negative_embeds)
         reward_input = {"ids": batch.sample_ids.tolist(), "images": batch.images.numpy(), "prompts": batch.prompts}
@@ -138,17 +139,18 @@ class LearnerWorker(_Role):
         self.components, self.learner = build_policy(cfg)
 
     @timed
-    def update(self, training_batch) -> tuple[dict, tuple[int, dict]]:
-        """One epoch's update; returns (metrics, (new version, LoRA state)). The second return is
-        the broadcast: one object in the store that every sampler reads."""
+    def update(self, training_batch) -> tuple[dict, tuple[int, FlatLoRA]]:
+        """One epoch's update; returns (metrics, (new version, flat LoRA)). The second return is
+        the broadcast: one object in the store that every sampler reads (one contiguous buffer,
+        see learner/lora.py FlatLoRA)."""
         metrics = self.learner.update(training_batch)
         fresh = training_batch.policy_version[~training_batch.replayed]
         metrics["policy_lag_max"] = int(self.learner.version - 1 - fresh.min())
         metrics["policy_lag_mean"] = float((self.learner.version - 1 - fresh.double()).mean())
-        return metrics, (self.learner.version, self.learner.lora_state())
+        return metrics, self.weights()
 
-    def weights(self) -> tuple[int, dict]:
-        return self.learner.version, self.learner.lora_state()
+    def weights(self) -> tuple[int, FlatLoRA]:
+        return self.learner.version, flat_lora_state(self.components.unet)
 
     def state_dict(self) -> dict:
         return self.learner.state_dict()

@@ -19,6 +19,7 @@ import yaml
 
 from diffrlhf.buffer import advantages, replay
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
+from diffrlhf.learner.timesteps import SELECTIONS
 from diffrlhf.learner.update import LOGPROB_MODES, UpdateSettings
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.models import DEVICES, DTYPES
@@ -110,7 +111,8 @@ class TrainConfig:
     adam_eps: float = _UPDATE.adam_eps
     clip_range: float = _UPDATE.clip_range
     max_grad_norm: float = _UPDATE.max_grad_norm
-    timestep_fraction: float = _UPDATE.timestep_fraction
+    timestep_fraction: float = _UPDATE.timestep_fraction  # share of the T steps trained per trajectory
+    timestep_selection: str = _UPDATE.timestep_selection  # which steps: all | random | weighted | top | window
     inner_epochs: int = _UPDATE.inner_epochs
     batch_size: int = _UPDATE.batch_size
     grad_accum_steps: int = _UPDATE.grad_accum_steps  # optimizer step every grad_accum_steps batches (x trained timesteps), as DDPO
@@ -176,6 +178,7 @@ _CHOICES = {
     "weighting.scheme": SCHEMES,
     "replay.mode": replay.MODES,
     "replay.logprob_mode": LOGPROB_MODES,
+    "train.timestep_selection": SELECTIONS,
 }
 # key -> (predicate, what is allowed)
 _RANGES = {
@@ -269,6 +272,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config key 'reward.runtime_env': value {env!r} must be null, 'auto' or a Ray runtime_env mapping")
     if cfg.advantage.mode == "group" and cfg.sample.samples_per_prompt < 2:
         raise ConfigError("config key 'advantage.mode': 'group' needs sample.samples_per_prompt >= 2")
+    if cfg.train.timestep_selection == "all" and cfg.train.timestep_fraction != 1:
+        raise ConfigError(f"config key 'train.timestep_fraction': value {cfg.train.timestep_fraction} must be 1 with "
+                          "train.timestep_selection=all (every step is trained); for a subset choose random, weighted, top or window")
     if cfg.samples_per_epoch() % cfg.train.batch_size:
         raise ConfigError(
             f"config key 'train.batch_size': value {cfg.train.batch_size} must divide the epoch size "

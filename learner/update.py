@@ -2,17 +2,24 @@
 
 One call of :meth:`PolicyLearner.update` is one epoch of training on a batch of scored
 trajectories (current epoch plus replay), with DDPO's semantics:
-  * inner_epochs passes; each shuffles the trajectories and, independently per trajectory,
-    the order of its timesteps; the first round(T * timestep_fraction) of them are trained;
+  * inner_epochs passes; each shuffles the trajectories and picks, independently per trajectory,
+    k = round(T * timestep_fraction) of its steps and their order (learner/timesteps.py:
+    `random` is DDPO's uniform subset; `weighted` draws by w(t) with an unbiasing coefficient);
   * the batch is split into train.batch_size chunks; every (chunk, timestep) pair is one
     backward; the optimizer steps after grad_accum_steps chunks x trained timesteps backwards,
     the gradient being their mean (like accelerate's accumulation in ddpo-pytorch); a remainder
     at the end of an inner epoch is stepped too, so no sample's gradient is dropped;
   * gradients are clipped to max_grad_norm before each step.
-The advantage of step i of trajectory b is w_i * A_b with w from learner/weighting.py.
+The advantage of step i of trajectory b is c_bi * w_i * A_b with w from learner/weighting.py and
+c the selection's coefficient (1 except for `weighted`).
+Compute is counted: `learner_passes` = trajectory-steps trained (one UNet forward+backward of one
+sample at one step, on CFG's doubled input), `learner_calls` = UNet forward+backward calls (a chunk
+of rows at one step), `learner_forward_passes` = forward-only trajectory-steps (log-prob
+recomputation of replayed rows), `learner_s` = the update's seconds.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +27,10 @@ import torch
 from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS, add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
+from diffrlhf.learner.distributed import Group
 from diffrlhf.learner.loss import ppo_clipped_loss
+from diffrlhf.learner.timesteps import num_trained_steps, select_timesteps
 from diffrlhf.learner.weighting import timestep_weights
 from diffrlhf.policy.sampler import SamplingSettings
 
@@ -40,6 +50,8 @@ class UpdateSettings:
     clip_range: float | None = 1e-4
     max_grad_norm: float = 1.0
     timestep_fraction: float = 1.0
+    timestep_selection: str = "random"  # one of learner.timesteps.SELECTIONS
+    total_epochs: int = 0  # the run's train.epochs: where the `window` selection is in its schedule
     inner_epochs: int = 1
     batch_size: int = 8
     grad_accum_steps: int = 1
@@ -65,6 +77,8 @@ class PolicyLearner:
         )
         self.negative_embeds = components.encode_prompts([negative_prompt])
         self.version = 0
+        self.group = Group()  # a single learner; a learner group's rank sets its own (learner/distributed.py)
+        self.passes_total = 0  # trajectory-steps trained over the run (the compute axis of the curves)
 
     # ------------------------------------------------------------------ policy evaluation
 
@@ -94,64 +108,94 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, batch: TrajectoryBatch) -> dict:
-        """Train one epoch on `batch` (fresh rows and rows marked `replayed`); bumps version."""
-        s = self.s
+    def update(self, batch: TrajectoryBatch, shard: Shard | None = None) -> dict:
+        """Train one epoch on `batch` (fresh rows and rows marked `replayed`); bumps version.
+
+        In a learner group, `batch` holds this rank's rows and `shard` says where they sit in the
+        whole update (buffer/sharding.py); every rank draws the same plan for all rows, trains its
+        slice of each mini-batch, and the gradients are summed over ranks before each step."""
+        s, g, t_start = self.s, self.group, time.perf_counter()
+        shard = shard or Shard.whole(len(batch))
+        if shard.world != g.world or (shard.world > 1 and shard.rank != g.rank):
+            raise ValueError(f"a shard for rank {shard.rank} of {shard.world} reached rank {g.rank} of a group of {g.world}")
+        if shard.key is not None and shard.key != (self.seed, self.version):
+            raise ValueError(f"the shard was planned for (seed, policy version) {shard.key} but this learner is at "
+                             f"{(self.seed, self.version)}: the buffer and the learner disagree on the epoch")
         if torch.isnan(batch.advantages).any():
             raise ValueError("PolicyLearner.update needs advantages for every trajectory")
         self._set_schedule(batch)
-        b, t_total = len(batch), batch.num_steps
+        b, t_total = shard.num_rows, batch.num_steps
+        local = torch.full((b,), -1, dtype=torch.long)  # global row -> row of `batch`
+        local[shard.row_ids] = torch.arange(len(batch))
         old_logp = batch.log_probs.clone()
         is_replay = batch.replayed.clone()
-        num_replayed = int(is_replay.sum())
-        if num_replayed:
-            if s.logprob_mode == "recompute":
-                old_logp[is_replay] = self.recompute_log_probs(batch.select(torch.nonzero(is_replay).flatten()))
-        w = timestep_weights(s.weighting, batch.latents, batch.timesteps, self.c.scheduler, s.eta, s.gaussian_width)
-        n_train_t = max(1, int(round(t_total * s.timestep_fraction)))
-        accum = s.grad_accum_steps * n_train_t
-        # Shuffles come from a generator keyed by (seed, version): reproducible, nothing to checkpoint.
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
-        stats = {"loss": [], "approx_kl": [], "clipfrac": [], "clipfrac_replay": [], "clipfrac_fresh": [], "grad_norm": []}
+        forward_passes = 0
+        if is_replay.any() and s.logprob_mode == "recompute":
+            old_logp[is_replay] = self.recompute_log_probs(batch.select(torch.nonzero(is_replay).flatten()))
+            forward_passes = int(is_replay.sum()) * t_total
+        w = timestep_weights(s.weighting, batch.latents, batch.timesteps, self.c.scheduler, s.eta, s.gaussian_width,
+                             reduce=g.sum_ if g.world > 1 else None)
+        n_train_t = num_trained_steps(t_total, s.timestep_fraction)
+        progress = min(1.0, self.version / s.total_epochs) if s.total_epochs else 0.0
+        gen = update_generator(self.seed, self.version)
+        chunks = update_chunks(b, s.batch_size, gen)
+        # Per mini-batch x step ("micro"), this rank's sums: rows, loss, kl, clipfrac (x rows),
+        # clipped replayed rows, replayed rows, clipped fresh rows, fresh rows. Summed over ranks at the end.
+        micro_sums, grad_norms = [], []
         self.c.unet.train()
-        micro = 0
-        for _ in range(s.inner_epochs):
-            perm = torch.randperm(b, generator=gen)
-            t_perm = torch.stack([torch.randperm(t_total, generator=gen) for _ in range(b)])  # [B, T] step indices
-            for start in range(0, b, s.batch_size):
-                rows = perm[start:start + s.batch_size]
-                adv = batch.advantages[rows]
-                for j in range(n_train_t):
-                    steps = t_perm[rows, j]
-                    logp = self.step_log_prob(batch.latents[rows, steps], batch.timesteps[rows, steps],
-                                              batch.latents[rows, steps + 1], batch.prompt_embeds[rows])
-                    step_adv = (w[steps] * adv).to(logp.device)
-                    old = old_logp[rows, steps].to(logp.device)
-                    loss, info = ppo_clipped_loss(logp, old, step_adv, s.clip_range)
-                    (loss / accum).backward()
+        micro = calls = passes = 0
+        for inner in range(s.inner_epochs):
+            order = range(len(chunks)) if inner == 0 else torch.randperm(len(chunks), generator=gen).tolist()
+            chosen, coef = select_timesteps(s.timestep_selection, w, b, n_train_t, gen, progress)  # [B, k] each, all rows
+            k = chosen.shape[1]  # `weighted` trains fewer if fewer than k steps have weight
+            accum = s.grad_accum_steps * k
+            for ci in order:
+                mine = chunk_share(chunks[ci], g.rank, g.world)
+                share = len(mine) / len(chunks[ci])  # the rank's part of the mini-batch mean
+                rows = local[mine]
+                for j in range(k):
                     micro += 1
-                    stats["loss"].append(loss.item())
-                    stats["approx_kl"].append(info["approx_kl"].item())
-                    stats["clipfrac"].append(info["clipfrac"].item())
-                    clipped = ((torch.exp(logp - old) - 1).abs() > (s.clip_range or float("inf"))).float().cpu()
-                    rep = is_replay[rows]
-                    if rep.any():
-                        stats["clipfrac_replay"].append(clipped[rep].mean().item())
-                    if (~rep).any():
-                        stats["clipfrac_fresh"].append(clipped[~rep].mean().item())
+                    if len(mine):
+                        steps = chosen[mine, j]
+                        logp = self.step_log_prob(batch.latents[rows, steps], batch.timesteps[rows, steps],
+                                                  batch.latents[rows, steps + 1], batch.prompt_embeds[rows])
+                        calls, passes = calls + 1, passes + len(rows)
+                        step_adv = (coef[mine, j] * w[steps] * batch.advantages[rows]).to(logp.device)
+                        old = old_logp[rows, steps].to(logp.device)
+                        loss, info = ppo_clipped_loss(logp, old, step_adv, s.clip_range)
+                        (loss * share / accum).backward()
+                        clipped = ((torch.exp(logp - old) - 1).abs() > (s.clip_range or float("inf"))).double().cpu()
+                        rep, n = is_replay[rows], len(rows)
+                        micro_sums.append([n, loss.item() * n, info["approx_kl"].item() * n, info["clipfrac"].item() * n,
+                                           clipped[rep].sum().item(), rep.sum().item(), clipped[~rep].sum().item(), (~rep).sum().item()])
+                    else:
+                        micro_sums.append([0.0] * 8)
                     if micro % accum == 0:
-                        stats["grad_norm"].append(self._optimizer_step())
+                        grad_norms.append(self._optimizer_step())
             if micro % accum:  # flush the remainder of this inner epoch
-                stats["grad_norm"].append(self._optimizer_step(scale=accum / (micro % accum)))
+                grad_norms.append(self._optimizer_step(scale=accum / (micro % accum)))
                 micro = 0
         self.c.unet.eval()
+        m = g.sum_(torch.tensor(micro_sums, dtype=torch.float64).reshape(-1, 8))
+        counts = g.sum_(torch.tensor([calls, passes, forward_passes, int(is_replay.sum())], dtype=torch.float64)).long().tolist()
+        calls, passes, forward_passes, num_replayed = counts
         self.version += 1
-        out = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
-        out.update(optimizer_steps=len(stats["grad_norm"]), num_replayed=num_replayed, policy_version=self.version,
-                   timestep_weights=[round(x, 4) for x in w.tolist()])
+        self.passes_total += passes
+
+        def mean_of(num, den):  # mean over micros of num/den, where den > 0
+            ok = m[:, den] > 0
+            return float((m[ok, num] / m[ok, den]).mean()) if ok.any() else float("nan")
+
+        out = {"loss": mean_of(1, 0), "approx_kl": mean_of(2, 0), "clipfrac": mean_of(3, 0), "clipfrac_replay": mean_of(4, 5),
+               "clipfrac_fresh": mean_of(6, 7), "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")}
+        out.update(optimizer_steps=len(grad_norms), num_replayed=num_replayed, policy_version=self.version,
+                   timestep_weights=[round(x, 4) for x in w.tolist()], steps_trained=k, learner_calls=calls,
+                   learner_passes=passes, learner_passes_total=self.passes_total, learner_forward_passes=forward_passes,
+                   learner_s=time.perf_counter() - t_start, learners=g.world)
         return out
 
     def _optimizer_step(self, scale: float = 1.0) -> float:
+        self.group.sum_grads_(self.params)  # every rank takes the same step
         if scale != 1.0:  # a partial accumulation: make it a mean over the backwards it had
             for p in self.params:
                 if p.grad is not None:
@@ -167,9 +211,11 @@ class PolicyLearner:
         return lora_state_dict(self.c.unet)
 
     def state_dict(self) -> dict:
-        return {"lora": self.lora_state(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        return {"lora": self.lora_state(), "optimizer": self.optimizer.state_dict(), "version": self.version,
+                "passes_total": self.passes_total}
 
     def load_state_dict(self, state: dict) -> None:
         load_lora_state_dict(self.c.unet, state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
+        self.passes_total = state.get("passes_total", 0)  # checkpoints from before passes were counted

@@ -23,10 +23,16 @@ def normalise_mean_one(w: torch.Tensor) -> torch.Tensor:
     return (w * (w.numel() / total)).float()
 
 
-def latent_change(latents: torch.Tensor, power: int) -> torch.Tensor:
-    """Mean over the batch and latent elements of |z_{i+1} - z_i|^power, per step: [T]."""
+def latent_change(latents: torch.Tensor, power: int, reduce=None) -> torch.Tensor:
+    """Mean over the batch and latent elements of |z_{i+1} - z_i|^power, per step: [T].
+
+    `reduce` (in-place sum over a learner group's ranks) makes it the mean over every rank's rows."""
     d = (latents[:, 1:] - latents[:, :-1]).abs().double() ** power
-    return d.mean(dim=tuple(i for i in range(d.ndim) if i != 1))
+    dims = tuple(i for i in range(d.ndim) if i != 1)
+    if reduce is None:
+        return d.mean(dim=dims)
+    sums = reduce(torch.cat([d.sum(dim=dims), torch.tensor([d.numel() / d.shape[1]], dtype=torch.float64)]))
+    return sums[:-1] / sums[-1]
 
 
 def timestep_weights(
@@ -36,6 +42,7 @@ def timestep_weights(
     scheduler=None,
     eta: float = 1.0,
     gaussian_width: float = 0.2,
+    reduce=None,
 ) -> torch.Tensor:
     """w [T] for `scheme` on a batch with latents [B, T+1, ...] and timesteps [B, T] (or [T]).
 
@@ -51,9 +58,9 @@ def timestep_weights(
     if scheme == "uniform":
         w = torch.ones(n)
     elif scheme == "latent_sq":
-        w = latent_change(latents, 2)
+        w = latent_change(latents, 2, reduce)
     elif scheme == "latent_abs":
-        w = latent_change(latents, 1)
+        w = latent_change(latents, 1, reduce)
     elif scheme == "ddim_std":
         if scheduler is None:
             raise ValueError("timestep weighting 'ddim_std' needs the DDIM scheduler")

@@ -135,9 +135,22 @@ def test_systems_tiny_simulated_scaling_and_broadcast(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in rows) and rows[1]["linear_samples_per_s"] == pytest.approx(2 * rows[0]["samples_per_s"])
     # pipeline bound, 2 batches of 4 per epoch, 1 sampler: 8 / max(2 * 0.05, 2 * 0.01, 8 * 0.005) = 80 samples/s
     assert rows[0]["bound_samples_per_s"] == pytest.approx(80.0)
-    assert data["broadcast"]["ranks"]["4"]["params"] == 797_184
-    assert [r["actors"] for r in data["broadcast"]["ranks"]["4"]["rows"]] == [1, 2]
+    bc = data["broadcast"]["ranks"]["4"]
+    assert data["broadcast"]["schema"] == 2 and bc["params"] == 797_184 and bc["flat_zero_copy_in_actors"] and bc["flat_one_copy_in_actors"]
+    assert [r["actors"] for r in bc["rows"]] == [1, 2]
+    for r in bc["rows"]:  # both forms measured in the same run, and their ratio
+        assert all(0 < r[f]["min_s"] <= r[f]["median_s"] <= r[f]["max_s"] for f in ("dict", "flat", "noop"))
+        assert r["dict_over_flat"] == pytest.approx(r["dict"]["median_s"] / r["flat"]["median_s"])
     assert (tmp_path / "scale.png").exists() and (tmp_path / "broadcast.png").exists()
+
+
+def test_broadcast_plot_reads_files_from_before_the_flat_form(tmp_path):
+    from diffrlhf.deploy.bench.systems import broadcast_medians, plot_broadcast
+
+    old = {"ranks": {"4": {"params": 797_184, "mbytes_fp32": 3.2, "rows": [{"actors": 1, "median_s": 0.1}, {"actors": 2, "median_s": 0.2}]}}}
+    assert broadcast_medians(old["ranks"]["4"]["rows"], "dict") == [0.1, 0.2] and broadcast_medians(old["ranks"]["4"]["rows"], "flat") == []
+    plot_broadcast(old, tmp_path / "old.png")
+    assert (tmp_path / "old.png").exists()
 
 
 @pytest.mark.slow  # two Ray runs whose sampler and learner actors each load diffusers/transformers/peft (~10 s CPU apiece)

@@ -12,7 +12,7 @@ from diffrlhf.buffer import advantages, replay
 from diffrlhf.deploy import config
 from diffrlhf.deploy.bench import study
 from diffrlhf.deploy.config import Config, ConfigError, _flatten, load_config
-from diffrlhf.learner import weighting
+from diffrlhf.learner import timesteps, weighting
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
 from diffrlhf.learner.update import LOGPROB_MODES, PolicyLearner, UpdateSettings
 from diffrlhf.policy import models
@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # UpdateSettings fields whose config key is not train.<same name>.
 UPDATE_KEYS_ELSEWHERE = {"weighting": "weighting.scheme", "gaussian_width": "weighting.gaussian_width",
-                         "logprob_mode": "replay.logprob_mode", "eta": "sample.eta", "guidance_scale": "sample.guidance_scale"}
+                         "logprob_mode": "replay.logprob_mode", "eta": "sample.eta", "guidance_scale": "sample.guidance_scale",
+                         "total_epochs": "train.epochs"}
+NOT_SHARED_DEFAULT = {"total_epochs"}  # the run's length: the learner alone has no default but 0 (no window schedule)
 NOT_LEARNER = {"epochs"}  # train.* keys the driver reads, not the learner
 NOT_SAMPLER = {"batch_size", "batches_per_epoch", "samples_per_prompt"}  # sample.* keys of the driver's schedule
 
@@ -39,7 +41,7 @@ def update_key(field: str) -> str:
 def test_allowed_values_are_the_implementing_modules_own():
     expected = {"model.dtype": models.DTYPES, "model.device": models.DEVICES, "reward.nan_policy": NAN_POLICIES,
                 "advantage.mode": advantages.MODES, "weighting.scheme": weighting.SCHEMES, "replay.mode": replay.MODES,
-                "replay.logprob_mode": LOGPROB_MODES}
+                "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS}
     assert config._CHOICES.keys() == expected.keys()
     for key, allowed in expected.items():
         assert config._CHOICES[key] is allowed, f"{key}: the config restates its allowed values instead of reading them"
@@ -60,7 +62,8 @@ def test_update_settings_carry_every_learner_key_of_the_config():
     assert {f"weighting.{k}" for k in fields(config.WeightingConfig)} <= {update_key(f) for f in update_fields}
     # Every field gets its key's value: set each key to a value unlike its default.
     values = {"lr": 0.0123, "adam_beta1": 0.81, "adam_beta2": 0.987, "weight_decay": 0.0021, "adam_eps": 3e-7,
-              "clip_range": 0.07, "max_grad_norm": 2.5, "timestep_fraction": 0.6, "inner_epochs": 3, "batch_size": 16,
+              "clip_range": 0.07, "max_grad_norm": 2.5, "timestep_fraction": 0.6, "timestep_selection": "weighted",
+              "total_epochs": 17, "inner_epochs": 3, "batch_size": 16,
               "grad_accum_steps": 3, "weighting": "gaussian_mid", "gaussian_width": 0.33, "logprob_mode": "recompute",
               "eta": 0.7, "guidance_scale": 3.5}
     assert values.keys() == update_fields
@@ -70,7 +73,8 @@ def test_update_settings_carry_every_learner_key_of_the_config():
     s = update_settings(cfg)
     assert {f: getattr(s, f) for f in values} == values
     # One set of defaults: the config's are the learner's.
-    assert {f: defaults[update_key(f)] for f in update_fields} == dataclasses.asdict(UpdateSettings())
+    shared = update_fields - NOT_SHARED_DEFAULT
+    assert {f: defaults[update_key(f)] for f in shared} == {f: getattr(UpdateSettings(), f) for f in shared}
 
 
 def test_sampling_settings_carry_every_sampler_key_of_the_config():

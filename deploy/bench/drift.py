@@ -3,7 +3,7 @@
     python -m diffrlhf.deploy.bench.study --suite weighting --reward jpeg_compressibility_shuffled \\
         --only uniform latent_sq ddim_std gaussian_early gaussian_mid --seeds 3 --epochs 15 --threads 2
     python -m diffrlhf.deploy.bench.drift [--study deploy/results/study] [--reward jpeg_compressibility]
-        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ...]
+        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ... | --suite compute]
 
 `jpeg_compressibility_shuffled` gives each image the compressibility of another image of its
 batch: same rewards, same mean (so its logged reward is still the samples' mean compressibility),
@@ -13,7 +13,8 @@ reads the study's saved runs of the same variants and seeds on the reward and on
 reports, per variant, seed by seed (the runs are paired: same seed, same first epoch):
 gain = final smoothed reward - epoch 0 reward; drift = the same on the control; net = gain - drift.
 Held-out: trained - untrained policy on the held-out prompts, and net = reward run - control run.
-Writes drift_<reward>.md, .json and .png into the study folder.
+Writes drift_<reward>.md, .json and .png into the study folder; with --suite S (the variants of a
+study suite, as labelled there), drift_<S>_<reward>.*.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from diffrlhf.deploy.bench.common import pyplot, write_json
-from diffrlhf.deploy.bench.study import SCHEMES, YLABEL, mean_se, run_path, seed_matrix, smooth
+from diffrlhf.deploy.bench.study import SCHEMES, SUITES, YLABEL, mean_se, run_path, seed_matrix, smooth
 
 
 def gains(runs: list[dict]) -> dict[int, dict]:
@@ -96,10 +97,11 @@ def plot(real: dict, control: dict, path: Path, reward: str, control_name: str) 
     plt.close(fig)
 
 
-def load_runs(study: Path, reward: str, variants: list[str]) -> dict[str, list[dict]]:
+def load_runs(study: Path, reward: str, variants: dict[str, tuple]) -> dict[str, list[dict]]:
+    """variant label -> its saved runs (all seeds), from the label's study axes."""
     out = {}
-    for label in variants:
-        files = sorted(run_path(study, reward, (label, "none"), 0).parent.glob("seed*.json"))
+    for label, axes in variants.items():
+        files = sorted(run_path(study, reward, axes, 0).parent.glob("seed*.json"))
         out[label] = [json.loads(f.read_text()) for f in files]
     return out
 
@@ -111,15 +113,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--control", default="jpeg_compressibility_shuffled")
     ap.add_argument("--variants", nargs="+", default=["uniform", "latent_sq", "ddim_std", "gaussian_early", "gaussian_mid"], choices=SCHEMES,
                     help="weighting schemes (no replay) run on both rewards")
+    ap.add_argument("--suite", choices=sorted(SUITES), help="instead of --variants: every variant of this study suite")
     args = ap.parse_args(argv)
-    real, control = load_runs(args.study, args.reward, args.variants), load_runs(args.study, args.control, args.variants)
+    variants = dict(SUITES[args.suite]) if args.suite else {v: (v, "none") for v in args.variants}
+    real, control = load_runs(args.study, args.reward, variants), load_runs(args.study, args.control, variants)
     missing = [f"{rw}/{label}" for rw, runs in ((args.reward, real), (args.control, control)) for label, rs in runs.items() if not rs]
     if missing:
         raise SystemExit(f"no saved runs for {', '.join(missing)} under {args.study}/runs; run the study first (see --help)")
     base = args.study / "runs" / args.reward / "base_policy_eval.json"
     untrained = json.loads(base.read_text())["reward_mean"] if base.exists() else None
     rows = drift_rows(real, control, untrained)
-    stem = args.study / f"drift_{args.reward}"
+    stem = args.study / (f"drift_{args.suite}_{args.reward}" if args.suite else f"drift_{args.reward}")
     write_json(stem.with_suffix(".json"), {"reward": args.reward, "control": args.control, "untrained_heldout": untrained, "rows": rows})
     stem.with_suffix(".md").write_text(table_markdown(args.reward, args.control, rows))
     plot(real, control, stem.with_suffix(".png"), args.reward, args.control)

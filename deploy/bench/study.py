@@ -8,9 +8,14 @@ Suites (every variant has the same hyperparameters except the named axis):
   weighting  uniform, latent_sq, latent_abs, ddim_std, gaussian_early, gaussian_mid, gaussian_late (no replay)
   replay     none, hardmine, random (uniform weights)
   headline   baseline / +weighting (latent_sq) only: the claim at a third of the ablation's cost
+  compute    DDPO (all steps), DDPO random 0.5, and the method (ddim_std weighting, the weighting
+             suite's best) at all steps, with hard-mining, and training a share of the steps:
+             weighted 0.5 / 0.25, top 0.25, window 0.25 (train.timestep_selection / _fraction)
 
 Each (reward, variant, seed) runs the single-process reference loop (fastest on a few cores) and
-is saved to <out>/runs/<reward>/<scheme>__<replay>/seed<k>.json the moment it finishes; a file
+is saved to <out>/runs/<reward>/<scheme>__<replay>[__<selection><fraction>]/seed<k>.json (the
+suffix only for a timestep selection other than DDPO's random subset of all steps) the moment
+it finishes; a file
 that exists is reused, so an interrupted study continues where it stopped, and the DDPO baseline
 (uniform + none) is run once and shared by all suites. Runs go seed by seed (all variants of seed
 0, then of seed 1, ...) so that a partial study is still a fair comparison.
@@ -22,7 +27,9 @@ Outputs per suite and reward: <suite>_<reward>.png (seed-mean reward vs reward q
 3-epoch moving average (epoch i averages epochs max(0, i-2)..i, so reaching it at epoch i uses
 no later data); the target is the baseline's smoothed value at its last epoch; a variant's
 number is the reward queries used up to the first epoch whose smoothed mean is >= the target.
-The ratio is baseline / variant (> 1: the variant needs fewer queries). A variant that never gets
+The ratio is baseline / variant (> 1: the variant needs fewer queries). The same on the two other
+axes: learner passes (trajectory-steps trained: a UNet forward+backward of one sample at one
+step) and the wall-clock seconds of the runs' epochs, each to the same first epoch. A variant that never gets
 there is reported as not reached, with the bound ratio < baseline / (its total queries). If the baseline
 ends no better than its first epoch, there is no bar to reach and the table says so (no ratio).
 After the last epoch the trained policy samples the held-out prompts (prompts.eval) with fixed
@@ -43,13 +50,15 @@ from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
 from diffrlhf.buffer.replay import MODES as REPLAY_MODES
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
-from diffrlhf.deploy.config import _flatten, load_config
+from diffrlhf.deploy.config import Config, _flatten, load_config
+from diffrlhf.learner.timesteps import num_trained_steps
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.tinyworld import weights as tiny_world_weights
 
-# suite -> {variant label: (weighting.scheme, replay.mode)}; the first variant is the suite's baseline.
+# suite -> {variant label: (weighting.scheme, replay.mode[, train.timestep_selection, train.timestep_fraction])};
+# the first variant is the suite's baseline.
 SUITES = {
     "ablation": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none"),
                  "+hardmine": ("uniform", "hardmine"), "+both": ("latent_sq", "hardmine")},
@@ -57,7 +66,19 @@ SUITES = {
     "replay": {m: ("uniform", m) for m in REPLAY_MODES},
     # The claim in two runs per seed: for a second reward, where the full ablation costs too much.
     "headline": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none")},
+    # Fewer learner passes: which steps are trained at all (learner/timesteps.py).
+    "compute": {"ddpo": ("uniform", "none"), "ddpo random 0.5": ("uniform", "none", "random", 0.5),
+                "method": ("ddim_std", "none"), "method+hardmine": ("ddim_std", "hardmine"),
+                "method weighted 0.5": ("ddim_std", "none", "weighted", 0.5),
+                "method weighted 0.25": ("ddim_std", "none", "weighted", 0.25),
+                "method top 0.25": ("ddim_std", "none", "top", 0.25), "method window 0.25": ("ddim_std", "none", "window", 0.25)},
 }
+DDPO_STEPS = ("random", 1.0)  # DDPO's selection: every step, in random order (today's runs' paths carry no suffix)
+
+
+def full_axes(axes) -> tuple:
+    """(scheme, replay, selection, fraction) of a suite entry of 2 or 4 axes."""
+    return tuple(axes) if len(axes) == 4 else (*axes, *DDPO_STEPS)
 SMOOTH_WINDOW = 3
 EVAL_SEED_BASE = 987_654_321  # held-out noise seeds: fixed, disjoint from training seeds of small run seeds
 RUN_SIZES = {  # what --size sets (epochs, seeds, held-out samples, config overrides); the command line wins
@@ -114,6 +135,49 @@ def seed_matrix(runs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return q, y
 
 
+def learner_passes(run: dict) -> np.ndarray:
+    """Trajectory-steps trained per epoch. Runs from before the learner counted them (all of them
+    DDPO's selection) get (rows trained) x round(T * fraction) x inner_epochs from their config,
+    which is what the learner counts (tests/test_study.py checks the two agree)."""
+    recs = run["records"]
+    if all("learner_passes" in r for r in recs):
+        return np.array([r["learner_passes"] for r in recs], dtype=np.float64)
+    c = run["config"]
+    k = num_trained_steps(c["sample"]["num_steps"], c["train"]["timestep_fraction"])
+    return np.array([(r["samples"] + r.get("num_replayed", 0)) * k * c["train"]["inner_epochs"] for r in recs], dtype=np.float64)
+
+
+def cost_axes(runs: list[dict], n: int) -> dict[str, np.ndarray]:
+    """Seed-mean cumulative cost at each of the first n epochs: reward queries, learner passes,
+    wall-clock seconds of the epochs (sampling, scoring, update)."""
+    out = {"queries": np.array([rec["reward_queries"] for rec in runs[0]["records"][:n]], dtype=np.float64)}
+    try:  # an axis the saved runs cannot give is left out
+        out["passes"] = np.mean([np.cumsum(learner_passes(r))[:n] for r in runs], axis=0)
+        out["wall_s"] = np.mean([np.cumsum([rec["time_epoch"] for rec in r["records"]])[:n] for r in runs], axis=0)
+    except KeyError:
+        pass
+    return out
+
+
+def cost_to_reach(base: dict, base_y, var: dict, var_y, window: int = SMOOTH_WINDOW) -> dict:
+    """For each cost axis: the baseline's and the variant's cost at the first epoch whose smoothed
+    seed-mean reward reaches the baseline's final one, and the ratio baseline / variant."""
+    target = float(smooth(base_y, window)[-1])
+    if target <= float(base_y[0]):
+        return {}
+    ib = int(np.nonzero(smooth(base_y, window) >= target)[0][0])
+    hit = np.nonzero(smooth(var_y, window) >= target)[0]
+    out = {}
+    for axis in [a for a in base if a in var]:
+        if len(hit):
+            out[axis] = {"baseline": float(base[axis][ib]), "variant": float(var[axis][hit[0]]),
+                         "ratio": float(base[axis][ib] / var[axis][hit[0]])}
+        else:  # not reached: the ratio is below baseline / (the variant's total)
+            out[axis] = {"baseline": float(base[axis][ib]), "variant": None, "ratio": None,
+                         "ratio_upper_bound": float(base[axis][ib] / var[axis][-1])}
+    return out
+
+
 def mean_se(values) -> tuple[float, float]:
     """(mean, standard error); the error is None for a single value (no spread to report)."""
     v = np.asarray(values, dtype=np.float64)
@@ -124,14 +188,19 @@ def mean_se(values) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- running
 
 
-def run_path(out: Path, reward: str, axes: tuple[str, str], seed: int) -> Path:
-    return out / "runs" / reward / f"{axes[0]}__{axes[1]}" / f"seed{seed}.json"
+def run_path(out: Path, reward: str, axes: tuple, seed: int) -> Path:
+    scheme, replay, selection, fraction = full_axes(axes)
+    steps = "" if (selection, fraction) == DDPO_STEPS else f"__{selection}{fraction:g}"
+    return out / "runs" / reward / f"{scheme}__{replay}{steps}" / f"seed{seed}.json"
 
 
 def make_config(size: str, reward: str, epochs: int, overrides: list[str], axes=("uniform", "none"), seed: int = 0):
     # The variant's axes and the seed come last: a stray override cannot blur the comparison.
+    scheme, replay, selection, fraction = full_axes(axes)
     return load_config("tiny", overrides=[*RUN_SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
-                                          *overrides, f"weighting.scheme={axes[0]}", f"replay.mode={axes[1]}", f"run.seed={seed}"])
+                                          *overrides, f"weighting.scheme={scheme}", f"replay.mode={replay}",
+                                          f"train.timestep_selection={selection}", f"train.timestep_fraction={fraction}",
+                                          f"run.seed={seed}"])
 
 
 def identity(cfg) -> dict:
@@ -145,7 +214,12 @@ def identity(cfg) -> dict:
 
 
 def check_reusable(path: Path, saved: dict, cfg) -> None:
+    """A saved run is reused if its config is this one. A key added to the config after the run was
+    saved counts as equal at its default: defaults of new keys keep the old behaviour (checked for
+    train.timestep_selection by tests/test_timesteps.py, bit for bit against a saved run)."""
     a, b = _flatten(saved["config"]), _flatten(identity(cfg))
+    defaults = _flatten(Config().to_dict())
+    a.update({k: defaults[k] for k in set(b) - set(a) if k in defaults})
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if diff:
         raise SystemExit(f"{path} was made with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:5])}); "
@@ -181,7 +255,10 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
             log("study", f"{tag} held-out reward {_pm((evals['reward_mean'], evals['reward_se']))}")
 
     records = run_reference(cfg, progress=False, on_epoch=on_epoch)
-    result = {"seed": cfg.run.seed, "axes": [cfg.weighting.scheme, cfg.replay.mode], "reward": cfg.reward.spec,
+    axes = [cfg.weighting.scheme, cfg.replay.mode]
+    if (cfg.train.timestep_selection, cfg.train.timestep_fraction) != DDPO_STEPS:
+        axes += [cfg.train.timestep_selection, cfg.train.timestep_fraction]
+    result = {"seed": cfg.run.seed, "axes": axes, "reward": cfg.reward.spec,
               "config": identity(cfg), "records": records, "eval": evals or None, "wall_s": time.time() - t0, "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, result)
@@ -191,7 +268,7 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
 def get_run(out: Path, size: str, reward: str, epochs: int, overrides, axes, seed: int, eval_samples: int, run: bool = True):
     cfg = make_config(size, reward, epochs, overrides, axes, seed)
     path = run_path(out, reward, axes, seed)
-    tag = f"{reward} {axes[0]}+{axes[1]} seed {seed}"
+    tag = f"{reward} {'+'.join(str(a) for a in axes)} seed {seed}"
     if path.exists():
         saved = json.loads(path.read_text())
         check_reusable(path, saved, cfg)
@@ -235,6 +312,7 @@ def summarise_suite(suite: str, reward: str, runs: dict[str, list[dict]], base: 
     if not runs.get(baseline):
         return {"suite": suite, "reward": reward, "rows": [], "note": "baseline has no finished runs yet"}
     bq, by = seed_matrix(runs[baseline])
+    b_cost = cost_axes(runs[baseline], len(bq))
     rows = []
     for label, rs in runs.items():
         if not rs:
@@ -246,6 +324,8 @@ def summarise_suite(suite: str, reward: str, runs: dict[str, list[dict]], base: 
         row = {"variant": label, "axes": rs[0]["axes"], "seeds": len(rs), "seed_ids": [r["seed"] for r in rs],
                "epochs": len(q), "final_smoothed": mean_se(finals), "heldout": mean_se(evals) if evals else None,
                **queries_to_reach(bq, by.mean(0), q, y.mean(0)),
+               "cost_to_reach": cost_to_reach(b_cost, by.mean(0), cost_axes(rs, len(q)), y.mean(0)),
+               "passes_per_epoch": float(cost_axes(rs, len(q)).get("passes", [np.nan])[-1] / len(q)),
                "wall_s_per_run": float(np.mean([r["wall_s"] for r in rs]))}
         rows.append(row)
     return {"suite": suite, "reward": reward, "baseline": baseline, "smoothing": f"trailing {SMOOTH_WINDOW}-epoch moving average",
@@ -258,19 +338,29 @@ def _pm(v) -> str:
     return f"{v[0]:.4f}" if v[1] is None else f"{v[0]:.4f} +- {v[1]:.4f}"
 
 
+def _reach(c: dict | None, fmt: str) -> str:
+    if not c:
+        return "-"
+    if c["ratio"] is None:
+        return f"not reached (< {c['ratio_upper_bound']:.2f})"
+    return f"{fmt.format(c['variant'])} ({c['ratio']:.2f})"
+
+
 def table_markdown(summary: dict) -> str:
     lines = [f"### {summary['suite']} / {summary['reward']}", ""]
     if not summary["rows"]:
         return "\n".join(lines + [summary.get("note", ""), ""])
     target = summary["rows"][0].get("target")
+    costs = summary["suite"] == "compute"  # the suite about learner compute shows its other axes
     lines += [f"Target: the baseline's ({summary['baseline']}) final smoothed seed-mean reward, {target:.4f} "
               f"({summary['smoothing']}). Held-out: mean +- s.e. over seeds"
               + (f"; untrained policy {_pm(summary['base_policy_heldout'])}." if summary.get("base_policy_heldout") else "."), "",
-              "| variant | seeds | epochs | final reward (smoothed) | held-out reward | queries to reach target | ratio baseline/variant |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| variant | seeds | epochs | final reward (smoothed) | held-out reward | queries to reach target | ratio baseline/variant |"
+              + (" learner passes / epoch | passes to reach (ratio) | wall-clock s to reach (ratio) |" if costs else ""),
+              "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- |" if costs else "")]
     for r in summary["rows"]:
         if not r.get("seeds"):
-            lines.append(f"| {r['variant']} | 0 | - | - | - | - | - |")
+            lines.append(f"| {r['variant']} | 0 | - | - | - | - | - |" + (" - | - | - |" if costs else ""))
             continue
         if r.get("undefined"):
             reach, ratio = "undefined: " + r["undefined"], "-"
@@ -278,29 +368,39 @@ def table_markdown(summary: dict) -> str:
             reach, ratio = str(r["queries"]), f"{r['ratio']:.2f}"
         else:
             reach, ratio = f"not reached in {r['total_queries']}", f"< {r['ratio_upper_bound']:.2f}"
-        lines.append(f"| {r['variant']} | {r['seeds']} | {r['epochs']} | {_pm(r['final_smoothed'])} | {_pm(r['heldout'])} | {reach} | {ratio} |")
+        line = f"| {r['variant']} | {r['seeds']} | {r['epochs']} | {_pm(r['final_smoothed'])} | {_pm(r['heldout'])} | {reach} | {ratio} |"
+        if costs:
+            c = r.get("cost_to_reach") or {}
+            line += f" {r['passes_per_epoch']:.0f} | {_reach(c.get('passes'), '{:.0f}')} | {_reach(c.get('wall_s'), '{:.0f}')} |"
+        lines.append(line)
     return "\n".join(lines + [""])
 
 
 def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, rs in runs.items():
-        if not rs:
-            continue
-        q, y = seed_matrix(rs)
-        ys = np.array([smooth(r) for r in y])  # the line is what the reach criterion reads
-        m = ys.mean(0)
-        line, = ax.plot(q, m, "-", label=f"{label} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
-        ax.plot(q, y.mean(0), ".", ms=4, color=line.get_color(), alpha=0.6)
-        if len(rs) > 1:
-            se = ys.std(0, ddof=1) / np.sqrt(len(rs))
-            ax.fill_between(q, m - se, m + se, color=line.get_color(), alpha=0.2)
+    xaxes = {"queries": "reward queries"}
+    if summary["suite"] == "compute":
+        xaxes.update(passes="learner passes (trajectory-steps trained)", wall_s="wall-clock s (this machine, 2 threads)")
+    fig, axs = plt.subplots(1, len(xaxes), figsize=(7 * len(xaxes), 4.2), squeeze=False)
     rows = [r for r in summary["rows"] if r.get("seeds")]
-    if rows:
-        ax.axhline(rows[0]["target"], color="k", ls=":", lw=1, label="baseline final (smoothed)")
-    ax.set_xlabel("reward queries")
-    ax.set_ylabel(ylabel)
+    for ax, (axis, xlabel) in zip(axs[0], xaxes.items()):
+        for label, rs in runs.items():
+            if not rs:
+                continue
+            _, y = seed_matrix(rs)
+            x = cost_axes(rs, y.shape[1])[axis]
+            ys = np.array([smooth(r) for r in y])  # the line is what the reach criterion reads
+            m = ys.mean(0)
+            line, = ax.plot(x, m, "-", label=f"{label} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+            ax.plot(x, y.mean(0), ".", ms=4, color=line.get_color(), alpha=0.6)
+            if len(rs) > 1:
+                se = ys.std(0, ddof=1) / np.sqrt(len(rs))
+                ax.fill_between(x, m - se, m + se, color=line.get_color(), alpha=0.2)
+        if rows:
+            ax.axhline(rows[0]["target"], color="k", ls=":", lw=1, label="baseline final (smoothed)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    ax = axs[0][0]
     ax.set_title(f"{summary['suite']}: line = seed-mean of {SMOOTH_WINDOW}-epoch trailing average, band = +-1 s.e. over seeds,\n"
                  "dots = seed-mean raw epoch reward", fontsize=8)
     ax.legend(fontsize=7)
@@ -357,7 +457,7 @@ def main(argv=None) -> dict:
         if unknown:
             ap.error(f"--only: {', '.join(unknown)} not in suite(s) {', '.join(args.suite)}; their variants: {', '.join(chosen)}")
         chosen = {label: ax for label, ax in chosen.items() if label in args.only}
-    axes_list = list(dict.fromkeys(chosen.values()))
+    axes_list = list(dict.fromkeys(full_axes(ax) for ax in chosen.values()))
     log("study", f"{len(args.reward)} reward(s) x {len(axes_list)} variants x {n_seeds} seeds x {epochs} epochs -> {out}")
     summaries = {}
     for reward in args.reward:
@@ -369,7 +469,7 @@ def main(argv=None) -> dict:
                 if r is not None:
                     done.setdefault(axes, []).append(r)
         for suite in args.suite:
-            runs = {label: done.get(axes, []) for label, axes in SUITES[suite].items()}
+            runs = {label: done.get(full_axes(axes), []) for label, axes in SUITES[suite].items()}
             summaries[f"{suite}_{reward}"] = report(out, suite, reward, runs, base)
     return summaries
 

@@ -15,9 +15,16 @@ scale      SIMULATED: samplers, reward actors and the learner replaced by subcla
            actors) pair vs linear scaling from 1 sampler and vs the pipeline bound
            samples / max(sampling, scoring, learning time per epoch). The learner is a stage too:
            a second sweep sets its time to zero to show the samplers' own scaling.
-broadcast  time from one ray.put of a LoRA state to N actors (num_cpus=0.01) all holding it
-           (copied into their own tensors, as samplers do), for SD1.5's rank-4 LoRA shapes
-           (256 tensors, 797,184 fp32 params) and rank 32 (8x); median of --repeats.
+broadcast  time from one ray.put of a LoRA to N actors (num_cpus=0.01) all holding it (copied
+           into their own tensors, as samplers do), for SD1.5's rank-4 LoRA shapes (256 tensors,
+           797,184 fp32 params) and rank 32 (8x), in two forms side by side: "dict" (a dict of
+           torch tensors, the broadcast before the flat form, copied tensor by tensor) and "flat"
+           (learner/lora.py FlatLoRA: one contiguous numpy buffer + names/shapes, read zero-copy
+           from the store and copied in one go into tensors that tile one buffer, as a sampler's
+           LoRA does; what the system broadcasts now), and beside them Ray's floor ("noop": the
+           flat form's reference delivered to a method that loads nothing). Repeats interleave the
+           forms (dict, flat, noop, dict, ...); median/min/max of --repeats per form and the ratio
+           dict/flat (JSON "schema": 2; schema-1 files hold the dict form only, still plotted).
 
 Writes systems.json (+ scale.png, broadcast.png, overlap.png) into deploy/results/systems/ or --out.
 """
@@ -38,6 +45,7 @@ from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker, timed
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
+from diffrlhf.learner.lora import copy_flat_into, flatten_lora_state, one_tensor_under, tile_in_one_tensor
 from diffrlhf.rewards.serving import ScoreResult
 
 PARTS = ["overhead", "overlap", "scale", "broadcast"]
@@ -244,7 +252,7 @@ def sim_classes(calib: dict) -> dict:
     class SimLearner(LearnerWorker):
         def __init__(self, cfg):
             self._init_role(cfg, "learner")
-            self.version, self.lora = 0, {"simulated": torch.zeros(1)}
+            self.version, self.lora = 0, flatten_lora_state({"simulated": torch.zeros(1)})
 
         @timed
         def update(self, training_batch):
@@ -314,10 +322,10 @@ def scale(overrides, calib: dict, samplers, rewards, epochs: int, batches: int, 
     return out
 
 
-def _finish(plt, fig, ax, title: str, path: Path) -> None:
+def _finish(plt, fig, ax, title: str, path: Path, **legend) -> None:
     """Title, legend and save: the same ending for every figure of this benchmark."""
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(**{"fontsize": 7, **legend})
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -367,66 +375,138 @@ def sd15_lora_shapes(rank: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+BROADCAST_FORMS = ("dict", "flat")
+# Ray's own floor, measured beside them: the flat form's ObjectRef delivered to a method that loads
+# nothing (put, dispatch, fetch and unpickling of the metadata; no copy).
+BROADCAST_MEASURED = (*BROADCAST_FORMS, "noop")
+
+
 def holder_class():
     import ray
 
     @ray.remote(num_cpus=0.01)
     class Holder:
-        """A stand-in sampler: keeps its own copy of the LoRA tensors and loads broadcasts into it."""
+        """A stand-in sampler: keeps its own copy of the LoRA tensors and loads broadcasts into it.
+        Its tensors tile one buffer, as a SamplerWorker's LoRA parameters do (tile_lora_parameters)."""
 
         def __init__(self, shapes):
             torch.set_num_threads(1)
             self.params = {n: torch.empty(s) for n, s in shapes.items()}
+            tile_in_one_tensor(self.params)
 
-        def load(self, weights) -> float:
+        def load_dict(self, weights) -> float:
             version, state = weights  # Ray resolved the ObjectRef argument before this call
             for n, t in state.items():
                 self.params[n].copy_(t)
             return time.time()
 
+        def load_flat(self, weights) -> float:
+            version, flat = weights
+            copy_flat_into(self.params, flat)  # what SamplerWorker.set_weights does (load_flat_lora): one copy
+            return time.time()
+
+        def load_noop(self, weights) -> float:
+            return time.time()
+
+        def flat_checks(self, weights) -> tuple[bool, bool]:
+            """(the buffer this actor got is a read-only view of the store, not its own copy;
+            it loads with one copy)."""
+            buf = weights[1].buffer
+            return not buf.flags.writeable and not buf.flags.owndata, one_tensor_under(self.params, weights[1]) is not None
+
     return Holder
+
+
+def _form_stats(times: list[float], puts: list[float]) -> dict:
+    return {"median_s": median(times), "min_s": min(times), "max_s": max(times), "put_median_s": median(puts)}
 
 
 def broadcast(ns, ranks, repeats: int) -> dict:
     import ray
 
     Holder = holder_class()
-    out = {"ranks": {}, "repeats": repeats, "how": "t0 before ray.put((version, state)); each actor gets the ObjectRef as its "
-           "argument and copies every tensor into its own; time = last actor's copy done - t0 (same machine clock)"}
+    out = {"schema": 2, "machine": machine(), "ranks": {}, "repeats": repeats,
+           "forms": {"dict": "(version, {name: torch tensor}): each tensor pickled on its own",
+                     "flat": "(version, FlatLoRA): one contiguous numpy buffer + names/shapes/offsets (learner/lora.py)",
+                     "noop": "the flat form delivered to a method that loads nothing: Ray's own floor (not a form)"},
+           "how": "per repeat, dict then flat then noop: t0 before ray.put((version, payload)); each actor gets the ObjectRef as its "
+                  "argument and copies every tensor into its own (tensors that tile one buffer, as a sampler's LoRA: the flat form is "
+                  "one copy, the dict form one per tensor); time = last actor's copy done - t0 (same machine clock). "
+                  "Packing the payload from the model is outside t0 for both forms (one copy each; flat_pack_median_s)"}
     for rank in ranks:
         shapes = sd15_lora_shapes(rank)
         state = {n: torch.randn(s) for n, s in shapes.items()}
+        packs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            flat = flatten_lora_state(state)
+            packs.append(time.perf_counter() - t0)
+        payloads = {"dict": state, "flat": flat, "noop": flat}
         holders = [Holder.remote(shapes) for _ in range(max(ns))]
-        ray.get([h.load.remote((0, state)) for h in holders])  # start-up and first-call costs are not broadcast time
+        # start-up and first-call costs are not broadcast time
+        ray.get([h.load_dict.remote((0, state)) for h in holders] + [h.load_flat.remote((0, flat)) for h in holders])
+        flat_ref = ray.put((0, flat))
+        checks = ray.get([h.flat_checks.remote(flat_ref) for h in holders])
+        del flat_ref
         rows = []
         for n in ns:
-            times, puts = [], []
+            times = {f: [] for f in BROADCAST_MEASURED}
+            puts = {f: [] for f in BROADCAST_MEASURED}
             for rep in range(repeats):
-                t0 = time.time()
-                ref = ray.put((rep + 1, state))
-                puts.append(time.time() - t0)
-                done = ray.get([h.load.remote(ref) for h in holders[:n]])
-                times.append(max(done) - t0)
-                del ref
-            rows.append({"actors": n, "median_s": median(times), "min_s": min(times), "max_s": max(times), "put_median_s": median(puts)})
-            log("systems", f"broadcast rank {rank} to {n} actors: median {rows[-1]['median_s'] * 1e3:.1f} ms")
+                for form in BROADCAST_MEASURED:  # interleaved: a drift in the machine's load hits every form alike
+                    t0 = time.time()
+                    ref = ray.put((rep + 1, payloads[form]))
+                    puts[form].append(time.time() - t0)
+                    done = ray.get([getattr(h, f"load_{form}").remote(ref) for h in holders[:n]])
+                    times[form].append(max(done) - t0)
+                    del ref
+            row = {"actors": n, **{f: _form_stats(times[f], puts[f]) for f in BROADCAST_MEASURED}}
+            row["dict_over_flat"] = row["dict"]["median_s"] / row["flat"]["median_s"]
+            rows.append(row)
+            log("systems", f"broadcast rank {rank} to {n} actors: median dict {row['dict']['median_s'] * 1e3:.1f} ms, "
+                           f"flat {row['flat']['median_s'] * 1e3:.1f} ms (dict/flat {row['dict_over_flat']:.1f}x; "
+                           f"Ray's floor, a no-op call with the flat ref: {row['noop']['median_s'] * 1e3:.1f} ms)")
         out["ranks"][str(rank)] = {"tensors": len(shapes), "params": int(sum(np.prod(s) for s in shapes.values())),
-                                   "mbytes_fp32": sum(t.numel() for t in state.values()) * 4 / 1e6, "rows": rows}
+                                   "mbytes_fp32": sum(t.numel() for t in state.values()) * 4 / 1e6,
+                                   "flat_pack_median_s": median(packs), "flat_zero_copy_in_actors": all(c[0] for c in checks),
+                                   "flat_one_copy_in_actors": all(c[1] for c in checks), "rows": rows}
         for h in holders:
             ray.kill(h)
     return out
 
 
+def broadcast_medians(rows: list[dict], form: str) -> list[float]:
+    """Median seconds per row of one form; schema-1 files (before the flat form) hold the dict form only."""
+    if rows and "dict" not in rows[0]:
+        return [x["median_s"] for x in rows] if form == "dict" else []
+    return [x[form]["median_s"] for x in rows]
+
+
 def plot_broadcast(res: dict, path: Path) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    styles = {"dict": "o--", "flat": "s-", "noop": ":"}
     for rank, r in res["ranks"].items():
-        ax.plot([x["actors"] for x in r["rows"]], [x["median_s"] * 1e3 for x in r["rows"]], "o-",
-                label=f"rank {rank}: {r['params']:,} params, {r['mbytes_fp32']:.1f} MB")
+        color = None
+        for form in BROADCAST_MEASURED:
+            ys = broadcast_medians(r["rows"], form)
+            if ys:
+                label = (f"Ray's floor (no-op call), rank {rank}" if form == "noop" else
+                         f"{form}, rank {rank}: {r['params']:,} params, {r['mbytes_fp32']:.1f} MB")
+                line, = ax.plot([x["actors"] for x in r["rows"]], [y * 1e3 for y in ys], styles[form], color=color, label=label)
+                color = line.get_color()
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # the two forms differ by an order of magnitude
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+    ax.set_xticks([x["actors"] for r in res["ranks"].values() for x in r["rows"]])
+    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # free space on top for the legend
     ax.set_xlabel("actors holding the weights")
     ax.set_ylabel("ms until all hold the new version (median)")
-    _finish(plt, fig, ax, "LoRA weight broadcast through Ray's object store (one node)", path)
+    _finish(plt, fig, ax, "LoRA weight broadcast through Ray's object store (one node):\n"
+                          "dict of tensors vs one flat buffer (same run, interleaved)", path, ncol=2, fontsize=6, loc="upper left")
 
 
 def plot_overlap(res: dict, path: Path) -> None:
