@@ -49,7 +49,7 @@ def init_ray(cfg, num_gpus: float | None = None, quiet: bool = True):
         return
     s = cfg.system
     # Logical CPUs: enough for every actor to be placed; torch threads per actor keep real use in check.
-    need = s.num_samplers * s.sampler_cpus + s.num_reward_actors * s.reward_cpus + s.learner_cpus + 1
+    need = s.num_samplers * s.sampler_cpus + s.num_reward_actors * s.reward_cpus + s.num_learners * s.learner_cpus + 1
     # The dashboard (and the metrics it shows) costs ~0.5 GB: opt in locally with DIFFRLHF_DASHBOARD=1.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=num_gpus,
              include_dashboard=os.environ.get("DIFFRLHF_DASHBOARD") == "1", log_to_driver=not quiet)
@@ -108,7 +108,8 @@ class Driver:
         s, cfg = self.cfg.system, self.cfg
         self.check_placement()
         classes = {**dict(sampler=SamplerWorker, reward=RewardWorker, buffer=BufferWorker, learner=LearnerWorker), **self.worker_classes}
-        self.learner = ray.remote(classes["learner"]).options(**self._options("learner")).remote(cfg)
+        self.learners = self._start_learners(classes["learner"])
+        self.learner = self.learners[0]  # rank 0: weights, checkpoints, LoRA folders
         self.buffer = ray.remote(classes["buffer"]).options(**self._options("buffer")).remote(cfg)
         self.samplers = [ray.remote(classes["sampler"]).options(**self._options("sampler", s.max_actor_restarts)).remote(cfg, i)
                          for i in range(s.num_samplers)]
@@ -118,7 +119,8 @@ class Driver:
             ropts["runtime_env"] = env
         self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(cfg, i) for i in range(s.num_reward_actors)]
         # Fail early and clearly if a role cannot even start (bad weights, missing packages); say what is pending.
-        names = [("learner", "learner", self.learner), ("buffer", "buffer", self.buffer)]
+        names = [("learner" if len(self.learners) == 1 else f"learner-{r}", "learner", a) for r, a in enumerate(self.learners)]
+        names += [("buffer", "buffer", self.buffer)]
         names += [(f"sampler-{i}", "sampler", a) for i, a in enumerate(self.samplers)]
         names += [(f"reward-{i}", "reward", a) for i, a in enumerate(self.rewards)]
         pings = {a.ping.remote(): (name, role) for name, role, a in names}
@@ -142,6 +144,34 @@ class Driver:
                                 f"{_fmt(ray.cluster_resources())}, free now {_fmt(ray.available_resources())}")
             print(f"[diffrlhf] {elapsed:.0f}s: {len(pings)} actor(s) still starting (loading, or waiting for resources): "
                   f"{waiting}; free now: {_fmt(ray.available_resources())}")
+        if len(self.learners) > 1:
+            self._form_learner_group()
+
+    def _start_learners(self, cls) -> list:
+        """One learner, or a group in a placement group that packs its ranks on as few nodes as fit
+        (PACK: one node where possible, spread over nodes where not)."""
+        n, opts = self.cfg.system.num_learners, self._options("learner")
+        if n == 1:
+            return [ray.remote(cls).options(**opts).remote(self.cfg)]
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {k: v for k, v in {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts.get("resources", {})}.items() if v}
+        self.learner_pg = placement_group([bundle] * n, strategy="PACK", name=f"diffrlhf-learners-{os.getpid()}")
+        return [ray.remote(cls).options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(self.learner_pg, placement_group_bundle_index=r))
+                .remote(self.cfg, r, n) for r in range(n)]
+
+    def _form_learner_group(self) -> None:
+        """torch.distributed across the learners: rank 0's address and a free port, every rank joins."""
+        t = self.cfg.system.start_timeout_s
+        try:
+            nodes = ray.get([a.node_address.remote() for a in self.learners], timeout=t)
+            address, port = nodes[0]
+            if len({ip for ip, _ in nodes}) == 1:
+                address = "127.0.0.1"  # one node: loopback (a node's routed address can be slow to connect, 40 s measured here)
+            ray.get([a.join_group.remote(address, port, self.cfg.system.idle_timeout_s) for a in self.learners], timeout=t)
+        except Exception as e:
+            raise RunFailed(f"the {len(self.learners)} learners could not form their torch.distributed group:\n{_error_text(e)}") from None
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -191,7 +221,8 @@ class Driver:
         state = self._resume_from()
         self.start_actors()
         if state is not None:
-            ray.get([self.learner.load_state_dict.remote(state["learner"]), self.buffer.load_state_dict.remote(state["buffer"])])
+            # Every rank holds the same LoRA and optimizer state: one saved state fits any num_learners.
+            ray.get([a.load_state_dict.remote(state["learner"]) for a in self.learners] + [self.buffer.load_state_dict.remote(state["buffer"])])
             self.weights = {v: ray.put((v, flatten_lora_state(lora))) for v, lora in state["versions"].items()}
             if self.logger is not None:
                 self.logger.truncate(self.sched.epochs_done)
@@ -199,6 +230,7 @@ class Driver:
             self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
         self.t_run = time.time() - (state["wall_s"] if state else 0.0)  # wall_s continues over a resume
         self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
+        self.watch: dict = {}  # a learner group's rank 1.. update ref -> rank 0's (pending) ref
         self.later: list = []  # (due time, PingTask)
         self.sampled: dict = {}  # (epoch, batch) -> (reward input ref, trajectories ref)
         self.scores: dict = {}  # (epoch, batch) -> ScoreResult, until the buffer add is sent
@@ -245,8 +277,12 @@ class Driver:
             elif isinstance(t, UpdateTask):
                 self.sampled = {k: v for k, v in self.sampled.items() if k[0] != t.epoch}  # dropped batches' refs
                 summary = self.buffer.finalize_epoch.remote(t.epoch)
-                ref, weights = self.learner.update.options(num_returns=2).remote(self.buffer.training_batch.remote(t.epoch))
-                extra = (weights, summary)
+                n = len(self.learners)
+                shards = self.buffer.training_batch.options(num_returns=n).remote(t.epoch, n)
+                calls = [a.update.options(num_returns=2).remote(x) for a, x in zip(self.learners, shards if n > 1 else [shards])]
+                (ref, weights), others = calls[0], [m for m, _ in calls[1:]]
+                extra = (weights, summary, *others)
+                self.watch.update({m: ref for m in others})
             else:
                 ref = self._actors(t.role)[t.actor].ping.remote()
             self._n += 1
@@ -279,17 +315,29 @@ class Driver:
         return self.sched.added(t)
 
     def _on_update(self, ref, t, extra) -> list:
-        weights, summary_ref = extra
+        weights, summary_ref, *others = extra  # others: the metrics of ranks 1.. of a learner group
         summary, err, died = _outcome(summary_ref)  # the buffer's part first: its failure explains the learner's
         if err is not None:
-            _read([ref, weights])
+            _read([ref, weights, *others])
             if isinstance(err, EmptyEpochError) or isinstance(getattr(err, "cause", None), EmptyEpochError):
                 self.sched.empty_epoch(t)
             return self.sched.failed(t, _error_text(err), died, role="buffer")
-        metrics, err, died = _outcome(ref)
-        if err is not None:
-            _read([weights])
-            return self.sched.failed(t, _error_text(err), died, role="learner")
+        # A learner group: a rank that failed leaves the others blocked in a collective until its
+        # timeout, so judge the ranks that have returned first and wait for the rest only if none failed.
+        calls = [ref, *others]
+        self.watch = {w: m for w, m in self.watch.items() if m != ref}
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+        outcomes = {rank: _outcome(r) for rank, r in enumerate(calls) if r in ready}
+        if not any(err is not None for _, err, _ in outcomes.values()):
+            outcomes = {rank: _outcome(r) for rank, r in enumerate(calls)}
+        failed = sorted((not died, rank, err) for rank, (_, err, died) in outcomes.items() if err is not None)
+        if failed:
+            if 0 in outcomes:
+                _read([weights])
+            died, rank, err = not failed[0][0], failed[0][1], failed[0][2]  # a dead rank first: it explains the others
+            who = f"learner-{rank} of {len(calls)}: " if len(calls) > 1 else ""
+            return self.sched.failed(t, who + _error_text(err), died, role="learner")
+        metrics = outcomes[0][0]
         self.weights[t.epoch + 1] = weights
         new = self.sched.updated(t, summary["samples"])
         self._submit([x for x in new if not isinstance(x, UpdateTask)])  # sampling goes on while we log and checkpoint
@@ -321,10 +369,18 @@ class Driver:
                     raise RunFailed(f"nothing in flight and nothing to start, {self._describe_stall()}")
                 time.sleep(step)
                 continue
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=step)
+            refs = list(self.pending) + list(self.watch)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=step)
             if ready:
-                ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
-                return sorted(ready, key=lambda r: self.pending[r][2])
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                out = [r for r in ready if r in self.pending]
+                for w in [r for r in ready if r in self.watch]:
+                    main = self.watch.pop(w)
+                    if _outcome(w)[1] is not None and main in self.pending and main not in out:
+                        out.append(main)  # a learner rank failed: the group's update is over, rank 0 may never return
+                if out:
+                    return sorted(out, key=lambda r: self.pending[r][2])
+                continue
             for warning in self.watchdog.check():
                 print(f"[diffrlhf] watchdog: {warning}")
 
@@ -368,7 +424,7 @@ class Driver:
 
     def _collect_role_stats(self) -> list[dict]:
         out = []
-        for a in [self.learner, self.buffer] + self.samplers + self.rewards:
+        for a in self.learners + [self.buffer] + self.samplers + self.rewards:
             try:
                 out.append(ray.get(a.stats.remote(), timeout=30))
             except Exception as e:  # a dead actor has no stats; say so rather than fail the run
@@ -376,9 +432,14 @@ class Driver:
         return out
 
     def shutdown(self) -> None:
-        for a in [getattr(self, "learner", None), getattr(self, "buffer", None)] + getattr(self, "samplers", []) + getattr(self, "rewards", []):
+        for a in getattr(self, "learners", []) + [getattr(self, "buffer", None)] + getattr(self, "samplers", []) + getattr(self, "rewards", []):
             if a is not None:
                 ray.kill(a, no_restart=True)
+        if getattr(self, "learner_pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.learner_pg)
+            self.learner_pg = None
 
 
 def _outcome(ref):

@@ -345,7 +345,7 @@ class EpochScheduler:
 
 # ---------------------------------------------------------------------- placement
 
-_COUNT_KEY = {"sampler": "system.num_samplers", "reward": "system.num_reward_actors"}
+_COUNT_KEY = {"sampler": "system.num_samplers", "reward": "system.num_reward_actors", "learner": "system.num_learners"}
 
 
 def role_requests(cfg) -> dict[str, tuple[int, dict]]:
@@ -360,7 +360,7 @@ def role_requests(cfg) -> dict[str, tuple[int, dict]]:
 
     return {"sampler": (s.num_samplers, ask("sampler", s.sampler_cpus, s.sampler_gpus)),
             "reward": (s.num_reward_actors, ask("reward", s.reward_cpus, s.reward_gpus)),
-            "learner": (1, ask("learner", s.learner_cpus, s.learner_gpus)),
+            "learner": (s.num_learners, ask("learner", s.learner_cpus, s.learner_gpus)),
             "buffer": (1, ask("buffer", 0, 0))}
 
 

@@ -14,7 +14,9 @@ import torch
 
 from diffrlhf.actors.settings import advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings
 from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
+from diffrlhf.buffer.sharding import shard_batch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.learner.distributed import Group, free_port, init_group
 from diffrlhf.learner.lora import FlatLoRA, add_lora, flat_lora_state, load_flat_lora, save_lora, tile_lora_parameters
 from diffrlhf.policy.sampler import sample_trajectories
 
@@ -121,8 +123,14 @@ class BufferWorker(_Role):
         return summary
 
     @timed
-    def training_batch(self, epoch: int):
-        return self.replay.training_batch(epoch)
+    def training_batch(self, epoch: int, num_learners: int = 1):
+        """The epoch's training rows; for a learner group, one (rows, Shard) per rank (buffer/sharding.py),
+        so each learner receives only its own rows."""
+        batch = self.replay.training_batch(epoch)
+        if num_learners == 1:
+            return batch
+        # The plan's key is the learner's policy version at this epoch's update: one update per epoch, in order.
+        return tuple(shard_batch(batch, self.cfg.train.batch_size, num_learners, self.cfg.run.seed, epoch))
 
     def state_dict(self) -> dict:
         return {"advantages": self.advantages.state_dict(), "replay": self.replay.state_dict()}
@@ -134,20 +142,38 @@ class BufferWorker(_Role):
 
 
 class LearnerWorker(_Role):
-    def __init__(self, cfg):
-        self._init_role(cfg, "learner")
+    """One learner, or rank `rank` of a group of `world` (joined by join_group before any update)."""
+
+    def __init__(self, cfg, rank: int = 0, world: int = 1):
+        self._init_role(cfg, "learner" if world == 1 else f"learner-{rank}")
         self.components, self.learner = build_policy(cfg)
+        self.rank, self.world = rank, world
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it (rank 0's serve as the group's rendezvous)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_group(self, address: str, port: int, timeout_s: float) -> int:
+        init_group(address, port, self.rank, self.world, self.components.device, timeout_s)
+        self.learner.group = Group.current()
+        return self.rank
 
     @timed
-    def update(self, training_batch) -> tuple[dict, tuple[int, FlatLoRA]]:
-        """One epoch's update; returns (metrics, (new version, flat LoRA)). The second return is
-        the broadcast: one object in the store that every sampler reads (one contiguous buffer,
-        see learner/lora.py FlatLoRA)."""
-        metrics = self.learner.update(training_batch)
-        fresh = training_batch.policy_version[~training_batch.replayed]
-        metrics["policy_lag_max"] = int(self.learner.version - 1 - fresh.min())
-        metrics["policy_lag_mean"] = float((self.learner.version - 1 - fresh.double()).mean())
-        return metrics, self.weights()
+    def update(self, training) -> tuple[dict, tuple[int, FlatLoRA] | None]:
+        """One epoch's update on a batch, or on this rank's (rows, Shard); returns (metrics, (new
+        version, flat LoRA)). The second return is the broadcast: one object in the store that every
+        sampler reads (one contiguous buffer, see learner/lora.py FlatLoRA); a group's rank 0 makes it."""
+        batch, shard = training if isinstance(training, tuple) else (training, None)
+        metrics = self.learner.update(batch, shard)
+        fresh = batch.policy_version[~batch.replayed].double()
+        g = self.learner.group
+        lag = g.sum_(torch.tensor([fresh.sum().item(), len(fresh)], dtype=torch.float64))
+        oldest = g.min_(torch.tensor([fresh.min().item() if len(fresh) else float("inf")], dtype=torch.float64))
+        metrics["policy_lag_max"] = int(self.learner.version - 1 - oldest.item())
+        metrics["policy_lag_mean"] = float(self.learner.version - 1 - lag[0] / lag[1])
+        return metrics, (self.weights() if self.rank == 0 else None)
 
     def weights(self) -> tuple[int, FlatLoRA]:
         return self.learner.version, flat_lora_state(self.components.unet)

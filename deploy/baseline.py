@@ -8,7 +8,8 @@ deploy/results/<study>/runs/<reward>/uniform__none/seed<N>.json, made with the s
 reference loop). A committed run counts only if its config equals this run's on everything that
 changes what is learned: model (with the tiny world's weights digest), sample, prompts, reward,
 advantage and train, except train.epochs (no schedule depends on it: the first n epochs of a longer
-run are an n-epoch run). Ignored: weighting and replay (the axes compared), system and run (where and
+run are an n-epoch run). Ignored: weighting, replay and train.timestep_selection/_fraction (the axes
+compared), system and run (where and
 how it runs, not what), model.device and reward.runtime_env (the same computation elsewhere) and the
 preset's name. Any other difference, including a key one side lacks, means no band: a band from
 other settings would be a different experiment.
@@ -26,7 +27,9 @@ from diffrlhf.tinyworld import weights as tiny_world_weights
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 COMPARED = ("model", "sample", "prompts", "reward", "advantage", "train")
-IGNORED = {"train.epochs", "model.device", "reward.runtime_env"}
+# Also ignored: which timesteps are trained and what share (an axis compared, like weighting: a run that
+# trains a quarter of the steps is measured against DDPO's all-steps band).
+IGNORED = {"train.epochs", "model.device", "reward.runtime_env", "train.timestep_selection", "train.timestep_fraction"}
 
 
 def identity(config: dict) -> dict:

@@ -126,8 +126,9 @@ class SystemConfig:
     sampler_cpus: float = 1.0
     reward_gpus: float = 0.0
     reward_cpus: float = 0.5
-    learner_gpus: float = 0.0
-    learner_cpus: float = 1.0
+    learner_gpus: float = 0.0  # per learner
+    learner_cpus: float = 1.0  # per learner
+    num_learners: int = 1  # a data-parallel learner group (torch.distributed: NCCL on GPU, gloo on CPU)
     max_policy_lag: int = 1  # 0 = synchronous DDPO schedule
     max_inflight_per_sampler: int = 1
     idle_timeout_s: float = 600.0  # nothing finished for this long: the run stops, saying what it waits on
@@ -207,6 +208,7 @@ _RANGES = {
     "train.batch_size": (lambda v: v >= 1, ">= 1"),
     "train.grad_accum_steps": (lambda v: v >= 1, ">= 1"),
     "system.num_samplers": (lambda v: v >= 1, ">= 1"),
+    "system.num_learners": (lambda v: v >= 1, ">= 1"),
     "system.num_reward_actors": (lambda v: v >= 1, ">= 1"),
     "system.max_policy_lag": (lambda v: v >= 0, ">= 0"),
     "system.max_inflight_per_sampler": (lambda v: v >= 1, ">= 1"),
@@ -275,6 +277,10 @@ def validate(cfg: Config) -> Config:
     if cfg.train.timestep_selection == "all" and cfg.train.timestep_fraction != 1:
         raise ConfigError(f"config key 'train.timestep_fraction': value {cfg.train.timestep_fraction} must be 1 with "
                           "train.timestep_selection=all (every step is trained); for a subset choose random, weighted, top or window")
+    if cfg.train.batch_size < cfg.system.num_learners:
+        raise ConfigError(f"config key 'system.num_learners': value {cfg.system.num_learners} is more than train.batch_size "
+                          f"({cfg.train.batch_size}); every learner trains a slice of each mini-batch, so lower num_learners "
+                          "or raise train.batch_size")
     if cfg.samples_per_epoch() % cfg.train.batch_size:
         raise ConfigError(
             f"config key 'train.batch_size': value {cfg.train.batch_size} must divide the epoch size "

@@ -50,6 +50,11 @@ class Group:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def min_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t
+
     def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the gradients over ranks, as one flat buffer (one collective per optimizer step)."""
         if self.world == 1:

@@ -94,3 +94,17 @@ def test_a_shard_from_another_epoch_is_refused(tiny):
         learner.update(part, shard)
     # A single learner's own whole-batch shard is the plain update.
     assert Shard.whole(7).row_ids.tolist() == list(range(7))
+
+
+def test_config_and_resource_requests_count_the_learners():
+    from diffrlhf.actors.scheduler import resource_problems, role_requests
+    from diffrlhf.deploy.config import ConfigError, load_config
+
+    cfg = load_config("tiny", overrides=["system.num_learners=2", "system.learner_gpus=1"])
+    assert role_requests(cfg)["learner"] == (2, {"CPU": 1.0, "GPU": 1})
+    problems = resource_problems(role_requests(cfg), {"CPU": 16, "GPU": 1}, [{"CPU": 16, "GPU": 1}])
+    assert any("x 2 learners = 2 GPU" in p and "system.num_learners" in p for p in problems), problems
+    with pytest.raises(ConfigError, match="system.num_learners.*more than train.batch_size"):
+        load_config("tiny", overrides=["system.num_learners=9"])
+    with pytest.raises(ConfigError, match="system.num_learners.*>= 1"):
+        load_config("tiny", overrides=["system.num_learners=0"])

@@ -271,3 +271,34 @@ def test_an_actor_that_cannot_start_shows_its_whole_error(tmp_path):
                                         r"fetch them with: diffrlhf fetch-weights x"):
         d.run()
     d.shutdown()
+
+
+def test_two_learners_reproduce_the_reference_loop_and_resume_as_one(tmp_path, reference_run):
+    """A learner group of 2 (torch.distributed over gloo), lag 0: the reference loop's rewards. Its
+    checkpoint after epoch 1 resumes with a single learner (a checkpoint does not depend on N)."""
+    run = tmp_path / "run"
+    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0", "system.num_learners=2"), run, progress=False,
+               on_update=stop_after(1))
+    with pytest.raises(Stop):
+        d.run()
+    first = d.records
+    d.shutdown()
+    assert [r["learners"] for r in first] == [2, 2]
+    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), run, progress=False, resume=True)
+    rest = d.run()
+    d.shutdown()
+    assert [r["learners"] for r in rest] == [1]
+    assert_matches_reference(first + rest, reference_run)
+    assert (first + rest)[-1]["learner_passes_total"] == reference_run[-1]["learner_passes_total"]
+
+
+def test_a_dead_learner_rank_is_named_with_the_resume_command(tmp_path):
+    def kill_rank_1(driver, epoch):
+        if epoch == 0:
+            ray.kill(driver.learners[1])
+
+    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0", "system.num_learners=2"), tmp_path / "run", progress=False,
+               on_update=kill_rank_1)
+    with pytest.raises(RunFailed, match=r"(?s)learner actor died: learner-1 of 2.*1 of 3 epochs done.*--resume"):
+        d.run()
+    d.shutdown()
