@@ -330,11 +330,11 @@ class Driver:
         outcomes = {rank: _outcome(r) for rank, r in enumerate(calls) if r in ready}
         if not any(err is not None for _, err, _ in outcomes.values()):
             outcomes = {rank: _outcome(r) for rank, r in enumerate(calls)}
-        failed = sorted((not died, rank, err) for rank, (_, err, died) in outcomes.items() if err is not None)
+        failed = [(rank, err, died) for rank, (_, err, died) in outcomes.items() if err is not None]
         if failed:
             if 0 in outcomes:
                 _read([weights])
-            died, rank, err = not failed[0][0], failed[0][1], failed[0][2]  # a dead rank first: it explains the others
+            rank, err, died = max(failed, key=lambda f: (f[2], -f[0]))  # a dead rank first: it explains the others
             who = f"learner-{rank} of {len(calls)}: " if len(calls) > 1 else ""
             return self.sched.failed(t, who + _error_text(err), died, role="learner")
         metrics = outcomes[0][0]

@@ -2,10 +2,12 @@
 
 One call of :meth:`PolicyLearner.update` is one epoch of training on a batch of scored
 trajectories (current epoch plus replay), with DDPO's semantics:
-  * inner_epochs passes; each shuffles the trajectories and picks, independently per trajectory,
-    k = round(T * timestep_fraction) of its steps and their order (learner/timesteps.py:
-    `random` is DDPO's uniform subset; `weighted` draws by w(t) with an unbiasing coefficient);
-  * the batch is split into train.batch_size chunks; every (chunk, timestep) pair is one
+  * the rows are shuffled once and split into train.batch_size chunks (buffer/sharding.py: the
+    plan a learner group shares); each of inner_epochs passes re-orders the chunks (the first keeps
+    the shuffle's order) and picks, independently per trajectory, k = round(T * timestep_fraction)
+    of its steps and their order (learner/timesteps.py: `random` is DDPO's uniform subset;
+    `weighted` draws by w(t) with an unbiasing coefficient);
+  * every (chunk, timestep) pair is one
     backward; the optimizer steps after grad_accum_steps chunks x trained timesteps backwards,
     the gradient being their mean (like accelerate's accumulation in ddpo-pytorch); a remainder
     at the end of an inner epoch is stepped too, so no sample's gradient is dropped;
@@ -24,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
-from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS, add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
+from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.distributed import Group
+from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS, add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from diffrlhf.learner.loss import ppo_clipped_loss
 from diffrlhf.learner.timesteps import num_trained_steps, select_timesteps
 from diffrlhf.learner.weighting import timestep_weights
+from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.policy.sampler import SamplingSettings
 
 # Old log-probs of replayed rows: recorded at sampling time, or recomputed under the policy at update start.
