@@ -111,8 +111,8 @@ class Driver:
         self.learners = self._start_learners(classes["learner"])
         self.learner = self.learners[0]  # rank 0: weights, checkpoints, LoRA folders
         self.buffer = ray.remote(classes["buffer"]).options(**self._options("buffer")).remote(cfg)
-        self.samplers = [ray.remote(classes["sampler"]).options(**self._options("sampler", s.max_actor_restarts)).remote(cfg, i)
-                         for i in range(s.num_samplers)]
+        self.samplers = [ray.remote(classes["sampler"]).options(**self._options("sampler", s.max_actor_restarts), **self._bundle(i))
+                         .remote(cfg, i) for i in range(s.num_samplers)]
         ropts = self._options("reward", s.max_actor_restarts)
         env = reward_runtime_env(cfg)
         if env:
@@ -149,17 +149,35 @@ class Driver:
 
     def _start_learners(self, cls) -> list:
         """One learner, or a group in a placement group that packs its ranks on as few nodes as fit
-        (PACK: one node where possible, spread over nodes where not)."""
-        n, opts = self.cfg.system.num_learners, self._options("learner")
-        if n == 1:
+        (PACK: one node where possible, spread over nodes where not). Colocated (system.colocate),
+        bundle r holds learner r and sampler r together: with fractional GPU requests that sum to
+        one, the pair time-shares one GPU (a plain PACK of 0.5-GPU learners would put two learners
+        on a GPU and leave the samplers the others)."""
+        s, opts = self.cfg.system, self._options("learner")
+        self.learner_pg = None
+        if s.num_learners == 1 and not s.colocate:
             return [ray.remote(cls).options(**opts).remote(self.cfg)]
         from ray.util.placement_group import placement_group
+
+        def ask(o):
+            return {"CPU": o["num_cpus"], "GPU": o["num_gpus"], **o.get("resources", {})}
+
+        bundle = ask(opts)
+        if s.colocate:
+            sampler = ask(self._options("sampler"))
+            bundle = {k: bundle.get(k, 0) + sampler.get(k, 0) for k in {**bundle, **sampler}}
+        bundle = {k: v for k, v in bundle.items() if v}
+        self.learner_pg = placement_group([bundle] * s.num_learners, strategy="PACK", name=f"diffrlhf-learners-{os.getpid()}")
+        world = s.num_learners
+        return [ray.remote(cls).options(**opts, **self._bundle(r, learner=True)).remote(self.cfg, r, world) for r in range(world)]
+
+    def _bundle(self, i: int, learner: bool = False) -> dict:
+        """Actor options placing learner i (or, colocated, sampler i) in bundle i of the learner placement group."""
+        if self.learner_pg is None or not (learner or self.cfg.system.colocate):
+            return {}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {k: v for k, v in {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts.get("resources", {})}.items() if v}
-        self.learner_pg = placement_group([bundle] * n, strategy="PACK", name=f"diffrlhf-learners-{os.getpid()}")
-        return [ray.remote(cls).options(**opts, scheduling_strategy=PlacementGroupSchedulingStrategy(self.learner_pg, placement_group_bundle_index=r))
-                .remote(self.cfg, r, n) for r in range(n)]
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.learner_pg, placement_group_bundle_index=i)}
 
     def _form_learner_group(self) -> None:
         """torch.distributed across the learners: rank 0's address and a free port, every rank joins."""

@@ -36,7 +36,8 @@ def update_settings(cfg) -> UpdateSettings:
         inner_epochs=t.inner_epochs, batch_size=t.batch_size,
         grad_accum_steps=t.grad_accum_steps, weighting=cfg.weighting.scheme,
         gaussian_width=cfg.weighting.gaussian_width, logprob_mode=cfg.replay.logprob_mode,
-        eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale,
+        eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, algorithm=cfg.algorithm.name,
+        kl_coef=cfg.algorithm.kl_coef, reward_scale=cfg.algorithm.reward_scale,
     )
 
 

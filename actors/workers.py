@@ -18,6 +18,7 @@ from diffrlhf.buffer.sharding import shard_batch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.distributed import Group, free_port, init_group
 from diffrlhf.learner.lora import FlatLoRA, add_lora, flat_lora_state, load_flat_lora, save_lora, tile_lora_parameters
+from diffrlhf.policy.branching import branch_trajectories
 from diffrlhf.policy.sampler import sample_trajectories
 
 
@@ -47,8 +48,12 @@ class _Role:
     def stats(self) -> dict:
         """Busy time and idle fraction since the first work call (model loading is not idling)."""
         span = time.perf_counter() - self._first_call if self._first_call else 0.0
-        return {"role": self.name, "pid": os.getpid(), "busy_s": self._busy_s, "active_span_s": span, "calls": self._calls,
-                "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0}
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"role": self.name, "pid": os.getpid(), "node_id": ctx.get_node_id(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []),
+                "busy_s": self._busy_s,
+                "active_span_s": span, "calls": self._calls, "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0}
 
     def ping(self) -> str:
         return self.name
@@ -87,11 +92,25 @@ class SamplerWorker(_Role):
         info = {"version": self.version, "rows": len(batch), "sample_s": time.perf_counter() - t0, "pid": os.getpid()}
         return info, reward_input, batch
 
+    @timed
+    def branch(self, batch: TrajectoryBatch, step: int, num_branches: int, seeds, weights: tuple[int, FlatLoRA] | None = None):
+        """Continue each recorded row from its state after `step` steps, num_branches times with the
+        given noise seeds (policy.branching.branch_trajectories), with the policy version `weights`
+        (None: the weights loaded now; before any, the untrained adapter). The per-step variance
+        bench's branches (deploy/bench/variance.py --ray)."""
+        if weights is not None and weights[0] != self.version:
+            self.set_weights(*weights)
+        return branch_trajectories(self.components, batch, step, num_branches, seeds, self.settings, self.negative_embeds)
+
 
 class RewardWorker(_Role):
     def __init__(self, cfg, rank: int = 0):
         self._init_role(cfg, f"reward-{rank}")
         self.server = reward_server(cfg)
+
+    def stats(self) -> dict:
+        """The role's busy time plus this actor's reward-query counts (distinct sample ids scored)."""
+        return {**super().stats(), **{k: v for k, v in self.server.stats().items() if k in ("num_queries", "num_dropped")}}
 
     @timed
     def score(self, reward_input: dict):

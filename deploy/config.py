@@ -20,7 +20,7 @@ import yaml
 from diffrlhf.buffer import advantages, replay
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
 from diffrlhf.learner.timesteps import SELECTIONS
-from diffrlhf.learner.update import LOGPROB_MODES, UpdateSettings
+from diffrlhf.learner.update import ALGORITHMS, LOGPROB_MODES, UpdateSettings
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.models import DEVICES, DTYPES
 from diffrlhf.policy.sampler import SamplingSettings
@@ -102,6 +102,13 @@ class ReplayConfig:
 
 
 @dataclass
+class AlgorithmConfig:
+    name: str = _UPDATE.algorithm  # one of learner.update.ALGORITHMS: ddpo | dpok
+    kl_coef: float = _UPDATE.kl_coef  # dpok: beta, weight of the per-step KL to the pretrained model
+    reward_scale: float = _UPDATE.reward_scale  # dpok: alpha, scale of the advantage
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 10
     lr: float = _UPDATE.lr
@@ -129,6 +136,7 @@ class SystemConfig:
     learner_gpus: float = 0.0  # per learner
     learner_cpus: float = 1.0  # per learner
     num_learners: int = 1  # a data-parallel learner group (torch.distributed: NCCL on GPU, gloo on CPU)
+    colocate: bool = False  # sampler i and learner i share one placement bundle (one GPU): num_samplers == num_learners
     max_policy_lag: int = 1  # 0 = synchronous DDPO schedule
     max_inflight_per_sampler: int = 1
     idle_timeout_s: float = 600.0  # nothing finished for this long: the run stops, saying what it waits on
@@ -160,6 +168,7 @@ class Config:
     weighting: WeightingConfig = field(default_factory=WeightingConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     run: RunConfig = field(default_factory=RunConfig)
     preset: str = ""
@@ -180,6 +189,7 @@ _CHOICES = {
     "replay.mode": replay.MODES,
     "replay.logprob_mode": LOGPROB_MODES,
     "train.timestep_selection": SELECTIONS,
+    "algorithm.name": ALGORITHMS,
 }
 # key -> (predicate, what is allowed)
 _RANGES = {
@@ -207,6 +217,8 @@ _RANGES = {
     "train.inner_epochs": (lambda v: v >= 1, ">= 1"),
     "train.batch_size": (lambda v: v >= 1, ">= 1"),
     "train.grad_accum_steps": (lambda v: v >= 1, ">= 1"),
+    "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0: no KL term)"),
+    "algorithm.reward_scale": (lambda v: v > 0, "> 0"),
     "system.num_samplers": (lambda v: v >= 1, ">= 1"),
     "system.num_learners": (lambda v: v >= 1, ">= 1"),
     "system.num_reward_actors": (lambda v: v >= 1, ">= 1"),
@@ -281,6 +293,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config key 'system.num_learners': value {cfg.system.num_learners} is more than train.batch_size "
                           f"({cfg.train.batch_size}); every learner trains a slice of each mini-batch, so lower num_learners "
                           "or raise train.batch_size")
+    if cfg.system.colocate and cfg.system.num_samplers != cfg.system.num_learners:
+        raise ConfigError(f"config key 'system.colocate': true pairs sampler i with learner i in one bundle (one GPU), so "
+                          f"system.num_samplers ({cfg.system.num_samplers}) must equal system.num_learners "
+                          f"({cfg.system.num_learners}); set them equal or system.colocate=false")
     if cfg.samples_per_epoch() % cfg.train.batch_size:
         raise ConfigError(
             f"config key 'train.batch_size': value {cfg.train.batch_size} must divide the epoch size "

@@ -4,7 +4,8 @@
 
 Errors: a reward spec that cannot be built (unknown name, a custom callable that is not importable
 or not fn(images, prompts), kwargs the reward does not take, a weighted_sum term, missing weights),
-a prompt list (train or eval) that is missing or empty, a model that is not on this machine.
+a prompt list (train or eval) that is missing or empty or that the reward cannot read (a
+tinyworld_alignment caption outside the tiny world's grammar), a model that is not on this machine.
 Warnings: inputs that run, but not as written (replay.k above what the replay window holds, prompts
 that the text encoder truncates).
 """
@@ -15,6 +16,7 @@ import os
 from diffrlhf.policy.models import ModelNotFoundError, resolve_model
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.rewards import MissingWeightsError, RewardSpecError, check_spec
+from diffrlhf.rewards import check_prompts as check_reward_reads_prompts
 from diffrlhf.rewards.clip_tokenizer import CONTEXT_LENGTH, tokenize
 
 
@@ -77,6 +79,10 @@ def check_prompts(cfg) -> dict[str, list[str]]:
             lists[key] = load_prompts(source)
         except (FileNotFoundError, ValueError) as e:
             raise PromptInputError(f"{key}={source}: {e}") from None
+        try:  # a reward that parses its prompts (tinyworld_alignment) must be able to read every one
+            check_reward_reads_prompts(cfg.reward.spec, lists[key])
+        except ValueError as e:
+            raise PromptInputError(f"{key}={source} with reward.spec={cfg.reward.spec}: {e}") from None
     return lists
 
 

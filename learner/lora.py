@@ -2,6 +2,7 @@
 flat form the learner broadcasts to the samplers (one contiguous buffer per policy version)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -35,6 +36,24 @@ def add_lora(unet, rank: int = DEFAULT_RANK, alpha: float | None = None, targets
 
 def lora_parameters(unet) -> list[torch.nn.Parameter]:
     return [p for p in unet.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def adapter_disabled(unet):
+    """Within the block `unet` computes the base model's output (the LoRA bypassed, not changed).
+
+    diffusers' disable_adapters()/enable_adapters() (peft's tuner layers); peft also turns the
+    adapter's requires_grad off and back on, so each LoRA tensor's flag is restored as it was. This
+    is how DPOK's pretrained prediction is had without holding a second UNet.
+    """
+    flags = {n: p.requires_grad for n, p in lora_tensors(unet).items()}
+    unet.disable_adapters()
+    try:
+        yield unet
+    finally:
+        unet.enable_adapters()
+        for n, p in lora_tensors(unet).items():
+            p.requires_grad_(flags[n])
 
 
 def lora_tensors(unet) -> dict[str, torch.nn.Parameter]:

@@ -14,10 +14,16 @@ trajectories (current epoch plus replay), with DDPO's semantics:
   * gradients are clipped to max_grad_norm before each step.
 The advantage of step i of trajectory b is c_bi * w_i * A_b with w from learner/weighting.py and
 c the selection's coefficient (1 except for `weighted`).
+The algorithm (`algorithm.name`): `ddpo` is the above; `dpok` (Fan et al. 2023) scales the advantage by
+alpha (reward_scale) and adds beta (kl_coef) times c times the per-step KL between the policy's DDIM
+step and the pretrained model's (learner/loss.py dpok_loss), the pretrained mean coming from the same
+UNet with the LoRA bypassed (learner/lora.py adapter_disabled), one extra forward without gradient.
 Compute is counted: `learner_passes` = trajectory-steps trained (one UNet forward+backward of one
 sample at one step, on CFG's doubled input), `learner_calls` = UNet forward+backward calls (a chunk
 of rows at one step), `learner_forward_passes` = forward-only trajectory-steps (log-prob
-recomputation of replayed rows), `learner_s` = the update's seconds.
+recomputation of replayed rows; under `dpok` also the pretrained model's prediction at every trained
+row and step), `learner_s` = the update's seconds. `dpok` records the mean per-step KL to the
+pretrained model over the trained (row, step)s as `kl_pretrained`.
 """
 from __future__ import annotations
 
@@ -29,15 +35,19 @@ import torch
 from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.distributed import Group
-from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS, add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
-from diffrlhf.learner.loss import ppo_clipped_loss
+from diffrlhf.learner.lora import (DEFAULT_RANK, DEFAULT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict,
+                                   lora_parameters, lora_state_dict)
+from diffrlhf.learner.loss import dpok_loss, gaussian_kl_equal_std, ppo_clipped_loss
 from diffrlhf.learner.timesteps import num_trained_steps, select_timesteps
 from diffrlhf.learner.weighting import timestep_weights
-from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
+from diffrlhf.policy.ddim import ddim_step_mean_std, ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.policy.sampler import SamplingSettings
 
 # Old log-probs of replayed rows: recorded at sampling time, or recomputed under the policy at update start.
 LOGPROB_MODES = ("recorded", "recompute")
+# The policy-gradient algorithm the update runs (algorithm.name); a new one adds its name here and its
+# branch in PolicyLearner.update.
+ALGORITHMS = ("ddpo", "dpok")
 
 
 @dataclass
@@ -63,6 +73,10 @@ class UpdateSettings:
     # The learner evaluates the sampler's policy, so it takes the sampler's eta and guidance.
     eta: float = SamplingSettings.eta
     guidance_scale: float = SamplingSettings.guidance_scale
+    algorithm: str = "ddpo"  # one of ALGORITHMS
+    # DPOK's beta: weight of the per-step KL (summed over latent elements) to the pretrained model.
+    kl_coef: float = 0.01
+    reward_scale: float = 1.0  # DPOK's alpha: the advantage's scale in the policy-gradient term
 
 
 class PolicyLearner:
@@ -86,12 +100,25 @@ class PolicyLearner:
 
     def step_log_prob(self, latents, timesteps, next_latents, prompt_embeds) -> torch.Tensor:
         """log p(next | latents) under the current weights for one step per row: [B]."""
+        return self.step(latents, timesteps, next_latents, prompt_embeds)[0]
+
+    def step(self, latents, timesteps, next_latents, prompt_embeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log p(next | latents) [B], the step's mean, its std [B,1,1,1]) under the current weights."""
         dev, dt = self.c.device, self.c.unet.dtype
         eps = guided_noise_pred(self.c.unet, latents.to(dev, dt), timesteps.to(dev), prompt_embeds.to(dev, dt),
                                 self.negative_embeds, self.s.guidance_scale)
-        _, logp, _, _ = ddim_step_with_logprob(self.c.scheduler, eps, timesteps.to(dev), latents.to(dev, dt),
-                                               self.s.eta, prev_sample=next_latents.to(dev, dt))
-        return logp
+        _, logp, mean, std = ddim_step_with_logprob(self.c.scheduler, eps, timesteps.to(dev), latents.to(dev, dt),
+                                                    self.s.eta, prev_sample=next_latents.to(dev, dt))
+        return logp, mean, std
+
+    @torch.no_grad()
+    def pretrained_step_mean(self, latents, timesteps, prompt_embeds) -> torch.Tensor:
+        """The pretrained model's DDIM step mean at each row's step (the LoRA bypassed; no gradient)."""
+        dev, dt = self.c.device, self.c.unet.dtype
+        with adapter_disabled(self.c.unet):
+            eps = guided_noise_pred(self.c.unet, latents.to(dev, dt), timesteps.to(dev), prompt_embeds.to(dev, dt),
+                                    self.negative_embeds, self.s.guidance_scale)
+        return ddim_step_mean_std(self.c.scheduler, eps, timesteps.to(dev), latents.to(dev, dt), self.s.eta)[0]
 
     @torch.no_grad()
     def recompute_log_probs(self, batch: TrajectoryBatch) -> torch.Tensor:
@@ -125,6 +152,9 @@ class PolicyLearner:
                              f"{(self.seed, self.version)}: the buffer and the learner disagree on the epoch")
         if torch.isnan(batch.advantages).any():
             raise ValueError("PolicyLearner.update needs advantages for every trajectory")
+        if s.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {s.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        dpok = s.algorithm == "dpok"
         self._set_schedule(batch)
         b, t_total = shard.num_rows, batch.num_steps
         local = torch.full((b,), -1, dtype=torch.long)  # global row -> row of `batch`
@@ -142,7 +172,8 @@ class PolicyLearner:
         gen = update_generator(self.seed, self.version)
         chunks = update_chunks(b, s.batch_size, gen)
         # Per mini-batch x step ("micro"), this rank's sums: rows, loss, kl, clipfrac (x rows),
-        # clipped replayed rows, replayed rows, clipped fresh rows, fresh rows. Summed over ranks at the end.
+        # clipped replayed rows, replayed rows, clipped fresh rows, fresh rows, KL to the pretrained
+        # model (x rows; dpok). Summed over ranks at the end.
         micro_sums, grad_norms = [], []
         self.c.unet.train()
         micro = calls = passes = 0
@@ -159,26 +190,35 @@ class PolicyLearner:
                     micro += 1
                     if len(mine):
                         steps = chosen[mine, j]
-                        logp = self.step_log_prob(batch.latents[rows, steps], batch.timesteps[rows, steps],
-                                                  batch.latents[rows, steps + 1], batch.prompt_embeds[rows])
+                        z, ts, emb = batch.latents[rows, steps], batch.timesteps[rows, steps], batch.prompt_embeds[rows]
+                        if dpok:  # the pretrained model's step, before the policy's graph exists
+                            mean_pre = self.pretrained_step_mean(z, ts, emb)
+                            forward_passes += len(rows)
+                        logp, mean, std = self.step(z, ts, batch.latents[rows, steps + 1], emb)
                         calls, passes = calls + 1, passes + len(rows)
                         step_adv = (coef[mine, j] * w[steps] * batch.advantages[rows]).to(logp.device)
                         old = old_logp[rows, steps].to(logp.device)
-                        loss, info = ppo_clipped_loss(logp, old, step_adv, s.clip_range)
+                        if dpok:
+                            kl = gaussian_kl_equal_std(mean, mean_pre, std)
+                            loss, info = dpok_loss(logp, old, step_adv, s.clip_range, kl, s.kl_coef, s.reward_scale,
+                                                   kl_weights=coef[mine, j])
+                        else:
+                            loss, info = ppo_clipped_loss(logp, old, step_adv, s.clip_range)
                         (loss * share / accum).backward()
                         clipped = ((torch.exp(logp - old) - 1).abs() > (s.clip_range or float("inf"))).double().cpu()
                         rep, n = is_replay[rows], len(rows)
                         micro_sums.append([n, loss.item() * n, info["approx_kl"].item() * n, info["clipfrac"].item() * n,
-                                           clipped[rep].sum().item(), rep.sum().item(), clipped[~rep].sum().item(), (~rep).sum().item()])
+                                           clipped[rep].sum().item(), rep.sum().item(), clipped[~rep].sum().item(), (~rep).sum().item(),
+                                           info["kl_pretrained"].item() * n if dpok else 0.0])
                     else:
-                        micro_sums.append([0.0] * 8)
+                        micro_sums.append([0.0] * 9)
                     if micro % accum == 0:
                         grad_norms.append(self._optimizer_step())
             if micro % accum:  # flush the remainder of this inner epoch
                 grad_norms.append(self._optimizer_step(scale=accum / (micro % accum)))
                 micro = 0
         self.c.unet.eval()
-        m = g.sum_(torch.tensor(micro_sums, dtype=torch.float64).reshape(-1, 8))
+        m = g.sum_(torch.tensor(micro_sums, dtype=torch.float64).reshape(-1, 9))
         counts = g.sum_(torch.tensor([calls, passes, forward_passes, int(is_replay.sum())], dtype=torch.float64)).long().tolist()
         calls, passes, forward_passes, num_replayed = counts
         self.version += 1
@@ -194,6 +234,8 @@ class PolicyLearner:
                    timestep_weights=[round(x, 4) for x in w.tolist()], steps_trained=k, learner_calls=calls,
                    learner_passes=passes, learner_passes_total=self.passes_total, learner_forward_passes=forward_passes,
                    learner_s=time.perf_counter() - t_start, learners=g.world)
+        if dpok:
+            out["kl_pretrained"] = mean_of(8, 0)
         return out
 
     def _optimizer_step(self, scale: float = 1.0) -> float:

@@ -32,6 +32,32 @@ def ddim_std(scheduler, timestep: torch.Tensor, eta: float) -> torch.Tensor:
     return eta * variance.sqrt()
 
 
+def ddim_step_mean_std(scheduler, noise_pred: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor,
+                       eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussian of one DDIM step z_t -> z_{t-1} (eta > 0, epsilon prediction): (mean, std [B,1,1,1]).
+
+    In float32 at least (fp16 models still get a precise Gaussian); ddim_step_with_logprob's
+    distribution, and what DPOK's KL compares (learner/loss.py gaussian_kl_equal_std).
+    """
+    if eta <= 0:
+        raise ValueError(f"eta must be > 0 for a stochastic policy with a log-prob, got {eta}")
+    if scheduler.config.prediction_type != "epsilon":
+        raise ValueError(f"only epsilon-prediction models are supported, scheduler has {scheduler.config.prediction_type!r}")
+    b = sample.shape[0]
+    timestep = torch.as_tensor(timestep, device=sample.device).long().reshape(-1).expand(b)
+    a_t, a_prev = _alpha_bars(scheduler, timestep, sample.device)
+    shape = (b,) + (1,) * (sample.ndim - 1)
+    a_t, a_prev = a_t.reshape(shape), a_prev.reshape(shape)
+    std = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
+
+    dt = torch.promote_types(sample.dtype, torch.float32)
+    x, eps = sample.to(dt), noise_pred.to(dt)
+    a_t, a_prev, std = a_t.to(dt), a_prev.to(dt), std.to(dt)
+    pred_x0 = (x - (1 - a_t).sqrt() * eps) / a_t.sqrt()
+    mean = a_prev.sqrt() * pred_x0 + (1 - a_prev - std**2).clamp(min=0).sqrt() * eps
+    return mean, std
+
+
 def ddim_step_with_logprob(
     scheduler,
     noise_pred: torch.Tensor,
@@ -54,24 +80,8 @@ def ddim_step_with_logprob(
         averaged over latent elements (DDPO's convention; a sum would only rescale ratios' logs
         by C*h*w).
     """
-    if eta <= 0:
-        raise ValueError(f"eta must be > 0 for a stochastic policy with a log-prob, got {eta}")
-    if scheduler.config.prediction_type != "epsilon":
-        raise ValueError(f"only epsilon-prediction models are supported, scheduler has {scheduler.config.prediction_type!r}")
-    b = sample.shape[0]
-    timestep = torch.as_tensor(timestep, device=sample.device).long().reshape(-1).expand(b)
-    a_t, a_prev = _alpha_bars(scheduler, timestep, sample.device)
-    shape = (b,) + (1,) * (sample.ndim - 1)
-    a_t, a_prev = a_t.reshape(shape), a_prev.reshape(shape)
-    std = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
-
-    # Compute the mean in float32 at least (fp16 models still get a precise Gaussian).
-    dt = torch.promote_types(sample.dtype, torch.float32)
-    x, eps = sample.to(dt), noise_pred.to(dt)
-    a_t, a_prev, std = a_t.to(dt), a_prev.to(dt), std.to(dt)
-    pred_x0 = (x - (1 - a_t).sqrt() * eps) / a_t.sqrt()
-    mean = a_prev.sqrt() * pred_x0 + (1 - a_prev - std**2).clamp(min=0).sqrt() * eps
-
+    mean, std = ddim_step_mean_std(scheduler, noise_pred, timestep, sample, eta)
+    dt = mean.dtype
     if prev_sample is None:
         if noise is None:
             raise ValueError("sampling needs `noise` (drawn by the caller from its per-sample generators)")

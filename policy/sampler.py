@@ -35,6 +35,24 @@ def _noise(generators: list[torch.Generator], shape, device, dtype) -> torch.Ten
 
 
 @torch.no_grad()
+def run_chain(components, z: torch.Tensor, timesteps, prompt_embeds: torch.Tensor, negative_embeds: torch.Tensor,
+              settings: SamplingSettings, gens: list[torch.Generator]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The DDIM chain from z through `timesteps` (a tail of the scheduler's, set for settings.num_steps):
+    the latents after each step and each step's log-prob. Each step's noise is drawn from the row's
+    generator, in step order. The one denoising loop: full samples and branches (policy/branching.py) run it."""
+    unet, scheduler = components.unet, components.scheduler
+    device, dtype = components.device, unet.dtype
+    latent_shape = tuple(z.shape[1:])
+    latents, logps = [], []
+    for t in timesteps:
+        eps = guided_noise_pred(unet, z, t.to(device), prompt_embeds, negative_embeds, settings.guidance_scale)
+        z, logp, _, _ = ddim_step_with_logprob(scheduler, eps, t, z, settings.eta, noise=_noise(gens, latent_shape, device, dtype))
+        latents.append(z)
+        logps.append(logp)
+    return latents, logps
+
+
+@torch.no_grad()
 def sample_trajectories(
     components,
     prompts: list[str],
@@ -58,12 +76,9 @@ def sample_trajectories(
     h = settings.resolution // components.vae_scale_factor
     latent_shape = (unet.config.in_channels, h, h)
     z = _noise(gens, latent_shape, device, dtype) * scheduler.init_noise_sigma
-    all_latents, all_logp = [z], []
-    for t in timesteps:
-        eps = guided_noise_pred(unet, z, t.to(device), prompt_embeds, negative_embeds, settings.guidance_scale)
-        z, logp, _, _ = ddim_step_with_logprob(scheduler, eps, t, z, settings.eta, noise=_noise(gens, latent_shape, device, dtype))
-        all_latents.append(z)
-        all_logp.append(logp)
+    steps, all_logp = run_chain(components, z, timesteps, prompt_embeds, negative_embeds, settings, gens)
+    all_latents = [z] + steps
+    z = all_latents[-1]
     images = components.decode_images(z)
     b = len(prompts)
     return TrajectoryBatch(

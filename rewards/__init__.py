@@ -20,7 +20,7 @@ from ._weights import MissingWeightsError, hf_cached_file
 RewardFn = Callable[[np.ndarray, "list[str]"], np.ndarray]
 Spec = Union[str, Mapping[str, Any]]
 
-__all__ = ["build_reward", "check_spec", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
+__all__ = ["build_reward", "check_prompts", "check_spec", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
            "RewardSpecError", "WeightedSum", "REWARD_NAMES", "spec_name"]
 
 
@@ -30,6 +30,8 @@ _BUILTINS: dict[str, tuple[str, str]] = {
     "jpeg_compressibility": ("jpeg", "JpegCompressibility"),
     "jpeg_incompressibility": ("jpeg", "JpegIncompressibility"),
     "jpeg_compressibility_shuffled": ("jpeg", "ShuffledJpegCompressibility"),
+    "tinyworld_alignment": ("tinyworld_alignment", "TinyWorldAlignment"),
+    "tinyworld_alignment_shuffled": ("tinyworld_alignment", "ShuffledTinyWorldAlignment"),
     "aesthetic": ("aesthetic", "AestheticScorer.from_spec"),
     "imagereward": ("imagereward", "ImageRewardScorer.from_spec"),
     "imagereward_pkg": ("imagereward", "PackageImageReward"),
@@ -284,6 +286,20 @@ def check_spec(spec: Spec, local: bool = True) -> None:
             _check_custom(name, kw)
     else:
         raise RewardSpecError(f"unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}, or 'package.module:callable'")
+
+
+def check_prompts(spec: Spec, prompts: list[str]) -> None:
+    """Raise the reward's own error (a ValueError naming the prompt) if it cannot read one of these
+    prompts, without building it: for the builtin rewards that parse their prompts (a class with a
+    check_prompts(prompts) static method, e.g. tinyworld_alignment), also as weighted_sum terms."""
+    if callable(spec) and not isinstance(spec, (str, Mapping)):
+        return
+    name, kw = _split(spec)
+    if name == "weighted_sum":
+        for t in kw.get("terms") or []:
+            check_prompts({k: v for k, v in t.items() if k != "weight"} if isinstance(t, Mapping) else t, prompts)
+    elif name in _BUILTINS and hasattr(_builtin(name), "check_prompts"):
+        _builtin(name).check_prompts(prompts)
 
 
 def _check_pretrained(reward: str, name_or_path: str, what: str, kwarg: str) -> None:

@@ -120,6 +120,7 @@ def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_
         study.main(args + ["--epochs", "3"])
 
 
+@pytest.mark.slow  # ~30 s of Ray runs of the bench command (opt-in: python -m pytest -m slow tests)
 def test_systems_tiny_simulated_scaling_and_broadcast(tmp_path):
     """No model is loaded here (simulated roles, broadcast stand-ins): only Ray start-up costs."""
     pytest.importorskip("ray")
@@ -215,3 +216,60 @@ def test_drift_control_pairs_seeds_and_subtracts_the_shuffled_runs_gain():
     assert row["heldout_net"][0] == pytest.approx(((5 - 4) + (2 - 1)) / 2)
     assert row["heldout_gain"][0] == pytest.approx(((5 - 1) + (2 - 1)) / 2)
     assert drift_rows({"b": [run(0, [0, 1], 0.0)]}, {}, None) == [{"variant": "b", "seeds": []}]
+
+
+def test_paired_t_test_matches_closed_forms_and_scipy():
+    """Student's t tail against its closed forms (df 1: Cauchy; df 2), and scipy where installed."""
+    import math
+
+    from diffrlhf.deploy.bench.common import paired_test, t_quantile, t_sf2
+
+    for t in (0.0, 0.3, 1.0, 2.5, 12.0):
+        assert t_sf2(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
+        assert t_sf2(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+    assert t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
+    d = [0.1, 0.3, -0.05, 0.2, 0.15]
+    r = paired_test(d)
+    se = np.std(d, ddof=1) / np.sqrt(5)
+    assert (r["n"], r["above"]) == (5, 4) and r["mean"] == pytest.approx(0.14) and r["se"] == pytest.approx(se)
+    assert r["t"] == pytest.approx(0.14 / se)
+    assert paired_test([0.2])["p"] is None and paired_test([])["n"] == 0
+    stats = pytest.importorskip("scipy.stats")
+    assert r["p"] == pytest.approx(stats.ttest_1samp(d, 0).pvalue, rel=1e-9)
+    half = stats.t.ppf(0.975, 4) * se
+    assert r["ci95"] == pytest.approx([0.14 - half, 0.14 + half], rel=1e-9)
+
+
+def test_drift_compares_each_variant_to_the_baseline_paired_by_seed():
+    from diffrlhf.deploy.bench.drift import drift_rows
+
+    def run(seed, rewards, heldout=None):
+        return {"seed": seed, "records": [{"reward_queries": 8 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)],
+                "eval": {"reward_mean": heldout} if heldout is not None else None}
+
+    flat = [0.0, 0.0, 0.0]
+    real = {"base": [run(s, [0, 0, g]) for s, g in enumerate([3, 6, 9])],  # gains (3-epoch mean - epoch 0): 1, 2, 3
+            "v": [run(s, [0, 0, g]) for s, g in enumerate([6, 9, 18, 30])]}  # 2, 3, 6 (+ an unpaired seed 3)
+    control = {"base": [run(s, flat) for s in range(3)], "v": [run(s, flat) for s in range(4)]}
+    base, v = drift_rows(real, control, None)
+    assert "vs_baseline" not in base
+    t = v["vs_baseline"]
+    assert t["n"] == 3 and t["mean"] == pytest.approx((1 + 1 + 3) / 3) and t["above"] == 3  # seed 3 has no baseline: left out
+    assert v["heldout_vs_baseline"]["n"] == 0
+
+
+def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
+    from diffrlhf.deploy.bench.drift import net_cost_rows, net_curves
+
+    def run(seed, rewards):
+        return {"seed": seed, "records": [{"reward_queries": 10 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)]}
+
+    # The variant's raw curve climbs fast, but its control drifts by the same amount: net it is flat.
+    real = {"base": [run(0, [0, 0, 0, 3, 3, 3])], "drifty": [run(0, [0, 3, 3, 3, 3, 3])], "good": [run(0, [0, 3, 3, 3, 3, 3])]}
+    control = {"base": [run(0, [0] * 6)], "drifty": [run(0, [0, 3, 3, 3, 3, 3])], "good": [run(0, [0] * 6), run(1, [9] * 6)]}
+    runs, y = net_curves(real["drifty"], control["drifty"])
+    assert y.tolist() == [[0, 0, 0, 0, 0, 0]]
+    base, drifty, good = net_cost_rows(real, control)
+    assert base["target"] == pytest.approx(3.0) and base["reach"]["queries"]["baseline"] == 60
+    assert drifty["reach"]["queries"]["variant"] is None  # never reaches the target net of its drift
+    assert good["seeds"] == [0] and good["reach"]["queries"] == {"baseline": 60.0, "variant": 40.0, "ratio": 1.5}

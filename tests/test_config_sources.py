@@ -14,7 +14,7 @@ from diffrlhf.deploy.bench import study
 from diffrlhf.deploy.config import Config, ConfigError, _flatten, load_config
 from diffrlhf.learner import timesteps, weighting
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
-from diffrlhf.learner.update import LOGPROB_MODES, PolicyLearner, UpdateSettings
+from diffrlhf.learner.update import ALGORITHMS, LOGPROB_MODES, PolicyLearner, UpdateSettings
 from diffrlhf.policy import models
 from diffrlhf.policy.sampler import SamplingSettings
 from diffrlhf.rewards.serving import NAN_POLICIES
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # UpdateSettings fields whose config key is not train.<same name>.
 UPDATE_KEYS_ELSEWHERE = {"weighting": "weighting.scheme", "gaussian_width": "weighting.gaussian_width",
                          "logprob_mode": "replay.logprob_mode", "eta": "sample.eta", "guidance_scale": "sample.guidance_scale",
-                         "total_epochs": "train.epochs"}
+                         "total_epochs": "train.epochs", "algorithm": "algorithm.name", "kl_coef": "algorithm.kl_coef",
+                         "reward_scale": "algorithm.reward_scale"}
 NOT_SHARED_DEFAULT = {"total_epochs"}  # the run's length: the learner alone has no default but 0 (no window schedule)
 NOT_LEARNER = {"epochs"}  # train.* keys the driver reads, not the learner
 NOT_SAMPLER = {"batch_size", "batches_per_epoch", "samples_per_prompt"}  # sample.* keys of the driver's schedule
@@ -41,7 +42,8 @@ def update_key(field: str) -> str:
 def test_allowed_values_are_the_implementing_modules_own():
     expected = {"model.dtype": models.DTYPES, "model.device": models.DEVICES, "reward.nan_policy": NAN_POLICIES,
                 "advantage.mode": advantages.MODES, "weighting.scheme": weighting.SCHEMES, "replay.mode": replay.MODES,
-                "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS}
+                "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS,
+                "algorithm.name": ALGORITHMS}
     assert config._CHOICES.keys() == expected.keys()
     for key, allowed in expected.items():
         assert config._CHOICES[key] is allowed, f"{key}: the config restates its allowed values instead of reading them"
@@ -65,7 +67,7 @@ def test_update_settings_carry_every_learner_key_of_the_config():
               "clip_range": 0.07, "max_grad_norm": 2.5, "timestep_fraction": 0.6, "timestep_selection": "weighted",
               "total_epochs": 17, "inner_epochs": 3, "batch_size": 16,
               "grad_accum_steps": 3, "weighting": "gaussian_mid", "gaussian_width": 0.33, "logprob_mode": "recompute",
-              "eta": 0.7, "guidance_scale": 3.5}
+              "eta": 0.7, "guidance_scale": 3.5, "algorithm": "dpok", "kl_coef": 0.05, "reward_scale": 2.0}
     assert values.keys() == update_fields
     defaults = _flatten(Config().to_dict())
     assert all(values[f] != defaults[update_key(f)] for f in values), "pick values that differ from the defaults"

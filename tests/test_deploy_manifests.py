@@ -66,7 +66,7 @@ def demands(cfg) -> list[tuple[str, dict]]:
     """Every actor the driver starts, with the Ray resources it asks for."""
     s = cfg.system
     role = lambda r, cpu, gpu: (r, {"CPU": cpu, "GPU": gpu, r: ROLE_UNIT})  # noqa: E731
-    return ([role("learner", s.learner_cpus, s.learner_gpus), role("buffer", 0.0, 0.0)]
+    return ([role("learner", s.learner_cpus, s.learner_gpus)] * s.num_learners + [role("buffer", 0.0, 0.0)]
             + [role("sampler", s.sampler_cpus, s.sampler_gpus)] * s.num_samplers
             + [role("reward", s.reward_cpus, s.reward_gpus)] * s.num_reward_actors)
 
@@ -236,6 +236,8 @@ def test_drift_is_detected():
     assert "sampler" in unplaced(too_many, nodes)
     assert "learner" in unplaced(load_config(PRESET, overrides=["system.learner_gpus=2"]), nodes)
     assert "reward" in unplaced(load_config(PRESET, overrides=["system.reward_gpus=1"]), nodes)  # reward pods are CPU-only
+    learners = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == "learner")
+    assert "learner" in unplaced(load_config(PRESET, overrides=["train.batch_size=8", f"system.num_learners={learners['maxReplicas'] + 1}"]), nodes)
     no_role = [{k: v for k, v in n.items() if k != "buffer"} for n in nodes]
     assert "buffer" in unplaced(preset_cfg(), no_role)
 
@@ -315,3 +317,20 @@ def test_jobs_readme_commands_are_valid_runs():
     for cmd in scaled:
         cfg = entrypoint_config(cmd.split(" -- ", 1)[1])
         assert not unplaced(cfg, kuberay_nodes(cluster_spec(doc), use_max=True)), cmd
+
+
+def test_the_learner_group_scales_to_its_pods_and_nodes():
+    """A run with a learner group (system.num_learners = N) fits the KubeRay groups at maxReplicas
+    and the ray up node types at max_workers, one GPU pod / node per rank."""
+    for path, doc in ray_docs():
+        spec = cluster_spec(doc)
+        g = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == "learner")
+        assert g["maxReplicas"] >= 2, f"{path.name}: the learner group cannot grow beyond one rank"
+        cfg = load_config(PRESET, overrides=["system.use_role_resources=true", f"system.num_learners={g['maxReplicas']}"])
+        assert not unplaced(cfg, kuberay_nodes(spec, use_max=True)), f"{path.name}: no room for {g['maxReplicas']} learners"
+    types = ray_up_cfg()["available_node_types"]
+    n = types["learner"]["max_workers"]
+    assert n >= 2
+    nodes = [{k: float(v) for k, v in t["resources"].items()} for name, t in types.items() for _ in range(t.get("max_workers", 1))]
+    assert not unplaced(load_config(PRESET, overrides=["system.use_role_resources=true", f"system.num_learners={n}"]), nodes)
+    assert "learner" in unplaced(load_config(PRESET, overrides=["train.batch_size=8", f"system.num_learners={n + 1}"]), nodes)

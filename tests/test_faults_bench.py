@@ -67,6 +67,7 @@ def test_lora_diff_and_next_epoch():
     assert next_epoch_after({0: 4.0, 1: 9.0}, 5.0) == pytest.approx(4.0) and next_epoch_after({0: 4.0}, 5.0) is None
 
 
+@pytest.mark.slow  # ~60 s of Ray runs; the system's own tests (test_system, test_multinode) cover sampler deaths
 def test_tiny_sampler_kill_survives_with_the_reference_lora(tmp_path):
     """Two tiny Ray runs (~60 s, mostly actor start-up). The kill lands early (20-50% of the run),
     while both samplers still have batches to do, and is held until a call of the sampler is running

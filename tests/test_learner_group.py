@@ -51,17 +51,24 @@ def _rank(rank: int, world: int, port: int, folder: str, tmp: str) -> None:
     learner = PolicyLearner(load_components(folder), UpdateSettings(**SETTINGS), lora_rank=4, seed=0)
     init_group("127.0.0.1", port, rank, world, "cpu", timeout_s=120)
     learner.group = Group.current()
+    learner.load_state_dict(torch.load(f"{tmp}/single_state.pt", weights_only=False))  # every rank resumes the single learner's state
     batch = TrajectoryBatch.load(f"{tmp}/batch.arrow")
-    part, shard = shard_batch(batch, SETTINGS["batch_size"], world, seed=0, version=0)[rank]
+    part, shard = shard_batch(batch, SETTINGS["batch_size"], world, seed=0, version=learner.version)[rank]
     stats = learner.update(part, shard)
     torch.save({"lora": learner.lora_state(), "stats": stats, "rows": shard.row_ids.tolist(),
                 "adam": learner.optimizer.state_dict()["state"]}, f"{tmp}/rank{rank}.pt")
 
 
 def test_two_learners_make_the_single_learners_update(tiny, tiny_folder, tmp_path):
+    """A group of 2 resumed from a single learner's checkpoint (after one update: LoRA, Adam state,
+    version) makes the single learner's next update: the union of the shards is the whole batch,
+    the gradient all-reduce makes every rank's step the single learner's (checkpoints do not
+    depend on num_learners; 2 -> 1 is checked on Ray in test_system.py)."""
     single = PolicyLearner(tiny, UpdateSettings(**SETTINGS), lora_rank=4, seed=0)
     batch = _batch(tiny, single)
     batch.save(tmp_path / "batch.arrow")
+    single.update(TrajectoryBatch.load(tmp_path / "batch.arrow"))
+    torch.save(single.state_dict(), tmp_path / "single_state.pt")
     before = {n: t.clone() for n, t in single.lora_state().items()}
     ref = single.update(TrajectoryBatch.load(tmp_path / "batch.arrow"))
     mp.spawn(_rank, args=(2, free_port(), str(tiny_folder), str(tmp_path)), nprocs=2, join=True)
@@ -108,3 +115,5 @@ def test_config_and_resource_requests_count_the_learners():
         load_config("tiny", overrides=["system.num_learners=9"])
     with pytest.raises(ConfigError, match="system.num_learners.*>= 1"):
         load_config("tiny", overrides=["system.num_learners=0"])
+    with pytest.raises(ConfigError, match=r"system.colocate.*num_samplers \(2\) must equal system.num_learners \(1\)"):
+        load_config("tiny", overrides=["system.colocate=true"])

@@ -57,22 +57,6 @@ def assert_matches_reference(records, reference):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5, rel=1e-3)
 
 
-@pytest.fixture(scope="module")
-def lag0_run(tmp_path_factory):
-    """Three synchronous epochs on Ray."""
-    run_dir = tmp_path_factory.mktemp("lag0") / "run"
-    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0"), run_dir, progress=False)
-    records = d.run()
-    d.shutdown()
-    return run_dir, records
-
-
-def test_lag0_reproduces_reference_loop(lag0_run, reference_run):
-    _, records = lag0_run
-    assert_matches_reference(records, reference_run)
-    assert all(r["policy_lag_max"] == 0 for r in records)
-
-
 LAG1 = ("train.epochs=4", "system.max_policy_lag=1", "system.max_inflight_per_sampler=2", "run.image_grid_every=2")
 
 
@@ -121,6 +105,9 @@ def crash_once_sampler(marker: Path):
 
 
 def test_sampler_deaths_do_not_stop_the_run(tmp_path, reference_run):
+    """Three synchronous epochs (lag 0) on Ray with a sampler that crashes mid-call once and a
+    sampler killed between epochs reproduce the reference loop: the retried batch is identical
+    and restarted samplers use the current weights."""
     killed = []
 
     def kill_sampler(driver, epoch):  # and a ray.kill between epochs: the restarted actor must catch up
@@ -135,6 +122,7 @@ def test_sampler_deaths_do_not_stop_the_run(tmp_path, reference_run):
     assert records[-1]["actor_deaths"] >= 1 and records[-1]["sample_retries"] >= 1 and records[-1]["batches_dropped"] == 0
     # the retried batch is identical and restarted samplers used the current weights: same numbers as the reference
     assert_matches_reference(records, reference_run)
+    assert all(r["policy_lag_max"] == 0 for r in records)
     d.shutdown()
 
 
@@ -292,22 +280,31 @@ def test_two_learners_reproduce_the_reference_loop_and_resume_as_one(tmp_path, r
     assert (first + rest)[-1]["learner_passes_total"] == reference_run[-1]["learner_passes_total"]
 
 
-def test_a_dead_learner_rank_is_named_with_the_resume_command(tmp_path):
-    """The run stops promptly (not after the group's 240 s collective timeout) naming the dead rank.
-    Gloo's collective notices the closed peer itself; the driver also watches ranks 1.. (for NCCL,
-    whose collectives can wait for a dead peer until the timeout; untested here, no GPU)."""
+def test_a_colocated_group_pairs_gpus_and_a_dead_rank_is_named_with_the_resume_command(tmp_path):
+    """Colocated (system.colocate): sampler i and learner i in one placement bundle of 1 GPU (0.5
+    each), so each pair time-shares its own GPU (a plain PACK of 0.5-GPU learners puts both on one
+    GPU). Then rank 1 is killed: the run stops promptly (not after the group's 240 s collective
+    timeout) naming the dead rank. Gloo's collective notices the closed peer itself; the driver also
+    watches ranks 1.. (for NCCL, whose collectives can wait for a dead peer until the timeout;
+    untested here, no GPU)."""
     import time
 
-    killed = []
+    killed, gpus = [], {}
 
     def kill_rank_1(driver, epoch):
         if epoch == 0:
+            gpus["learners"] = [s["gpu_ids"] for s in ray.get([a.stats.remote() for a in driver.learners])]
+            gpus["samplers"] = [s["gpu_ids"] for s in ray.get([a.stats.remote() for a in driver.samplers])]
             ray.kill(driver.learners[1])
             killed.append(time.time())
 
-    d = Driver(cfg_with("train.epochs=3", "system.max_policy_lag=0", "system.num_learners=2"), tmp_path / "run", progress=False,
-               on_update=kill_rank_1)
+    cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0", "system.num_learners=2", "system.colocate=true",
+                   "system.sampler_gpus=0.5", "system.learner_gpus=0.5")
+    d = Driver(cfg, tmp_path / "run", progress=False, on_update=kill_rank_1)
     with pytest.raises(RunFailed, match=r"(?s)learner actor died: learner-1 of 2.*1 of 3 epochs done.*--resume"):
         d.run()
     assert time.time() - killed[0] < 120, "the driver waited for the surviving rank's collective to time out"
     d.shutdown()
+    pairs = list(zip(gpus["learners"], gpus["samplers"]))
+    assert all(len(g) == 1 and g == h for g, h in pairs) and pairs[0][0] != pairs[1][0], pairs
+

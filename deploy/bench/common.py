@@ -95,3 +95,68 @@ def pyplot():
 
 def median(xs) -> float:
     return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+# ----------------------------------------------------------------------------- paired comparisons
+# Student's t from the regularised incomplete beta function (Numerical Recipes' continued
+# fraction), so a paired test needs no scipy (not a dependency of this project).
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_sf2(t: float, df: float) -> float:
+    """Two-sided tail probability P(|T| >= |t|) of Student's t with df degrees of freedom."""
+    return betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p (p > 0.5), by bisection on t_sf2."""
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_sf2(mid, df) / 2 > 1 - p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired_test(diffs) -> dict:
+    """Per-seed differences (variant - baseline, same seed): mean, s.e., the 95% confidence
+    interval and the two-sided p of a paired t-test (H0: mean difference 0), and how many seeds
+    are above 0. None for the statistics with fewer than 2 seeds."""
+    d = np.asarray(list(diffs), dtype=np.float64)
+    out = {"n": int(d.size), "mean": float(d.mean()) if d.size else None, "above": int((d > 0).sum())}
+    if d.size < 2:
+        return {**out, "se": None, "ci95": None, "t": None, "p": None}
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    df = d.size - 1
+    half = t_quantile(0.975, df) * se
+    t = out["mean"] / se if se > 0 else math.copysign(math.inf, out["mean"]) if out["mean"] else 0.0
+    p = t_sf2(t, df) if math.isfinite(t) else 0.0
+    return {**out, "se": se, "ci95": [out["mean"] - half, out["mean"] + half], "t": t, "p": p}

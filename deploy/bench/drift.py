@@ -13,6 +13,8 @@ reads the study's saved runs of the same variants and seeds on the reward and on
 reports, per variant, seed by seed (the runs are paired: same seed, same first epoch):
 gain = final smoothed reward - epoch 0 reward; drift = the same on the control; net = gain - drift.
 Held-out: trained - untrained policy on the held-out prompts, and net = reward run - control run.
+Then each variant against the first (the baseline), paired by seed: a paired t-test on the per-seed
+differences of net gain (and of held-out net), with its 95% confidence interval and p.
 Writes drift_<reward>.md, .json and .png into the study folder; with --suite S (the variants of a
 study suite, as labelled there), drift_<S>_<reward>.*.
 """
@@ -24,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrlhf.deploy.bench.common import pyplot, write_json
-from diffrlhf.deploy.bench.study import SCHEMES, SUITES, YLABEL, mean_se, run_path, seed_matrix, smooth
+from diffrlhf.deploy.bench.common import paired_test, pyplot, write_json
+from diffrlhf.deploy.bench.study import SCHEMES, SUITES, YLABEL, cost_axes, cost_to_reach, mean_se, run_path, seed_matrix, smooth
 
 
 def gains(runs: list[dict]) -> dict[int, dict]:
@@ -54,8 +56,82 @@ def drift_rows(real: dict[str, list[dict]], control: dict[str, list[dict]], untr
             if untrained_heldout is not None:
                 row["heldout_gain"] = mean_se([g[s]["heldout"] - untrained_heldout for s in seeds])
                 row["heldout_drift"] = mean_se([d[s]["heldout"] - untrained_heldout for s in seeds])
+        row["per_seed"] = {s: {"net": g[s]["gain"] - d[s]["gain"],
+                               "heldout_net": (g[s]["heldout"] - d[s]["heldout"]) if g[s]["heldout"] is not None and d[s]["heldout"] is not None else None}
+                           for s in seeds}
         rows.append(row)
+    compare_to_baseline(rows)
     return rows
+
+
+def compare_to_baseline(rows: list[dict]) -> None:
+    """Each variant's net gain against the first row's (the baseline), paired by seed: a paired
+    t-test on the per-seed differences (row["vs_baseline"], and the same for held-out net)."""
+    base = rows[0].get("per_seed", {}) if rows else {}
+    for row in rows[1:]:
+        mine = row.get("per_seed", {})
+        seeds = sorted(set(mine) & set(base))
+        row["vs_baseline"] = paired_test([mine[s]["net"] - base[s]["net"] for s in seeds])
+        held = [s for s in seeds if mine[s]["heldout_net"] is not None and base[s]["heldout_net"] is not None]
+        row["heldout_vs_baseline"] = paired_test([mine[s]["heldout_net"] - base[s]["heldout_net"] for s in held])
+
+
+def net_curves(real: list[dict], control: list[dict]) -> tuple[list[dict], np.ndarray]:
+    """The reward runs that have a control run of the same seed, and their net curves [seed, epoch]:
+    reward - (control - control's epoch 0), i.e. each epoch's reward less the drift so far."""
+    by_seed = {r["seed"]: r for r in control}
+    runs = [r for r in sorted(real, key=lambda r: r["seed"]) if r["seed"] in by_seed]
+    if not runs:
+        return [], np.zeros((0, 0))
+    n = min(min(len(r["records"]), len(by_seed[r["seed"]]["records"])) for r in runs)
+    y = np.array([[x["reward_mean"] for x in r["records"][:n]] for r in runs])
+    c = np.array([[x["reward_mean"] for x in by_seed[r["seed"]]["records"][:n]] for r in runs])
+    return runs, y - (c - c[:, :1])
+
+
+def net_cost_rows(real: dict[str, list[dict]], control: dict[str, list[dict]]) -> list[dict]:
+    """Queries / learner passes / wall-clock to reach the baseline's (first variant's) final net
+    reward, on the seed-mean net curves (study.cost_to_reach on net instead of raw rewards)."""
+    labels = list(real)
+    curves = {label: net_curves(real[label], control.get(label, [])) for label in labels}
+    base_runs, base_y = curves[labels[0]]
+    rows = []
+    if not base_runs:
+        return rows
+    n_base = base_y.shape[1]
+    for label in labels:
+        runs, y = curves[label]
+        if not runs:
+            rows.append({"variant": label, "seeds": []})
+            continue
+        reach = cost_to_reach(cost_axes(base_runs, n_base), base_y.mean(0), cost_axes(runs, y.shape[1]), y.mean(0))
+        rows.append({"variant": label, "seeds": [r["seed"] for r in runs], "final_net": float(smooth(y.mean(0))[-1]),
+                     "target": float(smooth(base_y.mean(0))[-1]), "reach": reach})
+    return rows
+
+
+def net_cost_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    lines = ["", f"Cost to reach {rows[0]['variant']}'s final net reward (seed-mean net curve: each epoch's reward less its "
+             "control's drift so far; trailing 3-epoch average), paired seeds only:", "",
+             "| variant | seeds | final net (smoothed) | queries (ratio) | learner passes (ratio) | wall-clock s (ratio) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if not r["seeds"]:
+            lines.append(f"| {r['variant']} | 0 | - | - | - | - |")
+            continue
+        cells = []
+        for axis in ("queries", "passes", "wall_s"):
+            a = r["reach"].get(axis)
+            if a is None:
+                cells.append("no bar" if not r["reach"] else "-")
+            elif a["variant"] is None:
+                cells.append(f"not reached (< {a['ratio_upper_bound']:.2f}x)")
+            else:
+                cells.append(f"{a['variant']:.0f} ({a['ratio']:.2f}x)")
+        lines.append(f"| {r['variant']} | {len(r['seeds'])} | {r['final_net']:+.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + [""])
 
 
 def _signed_pm(v) -> str:
@@ -73,7 +149,25 @@ def table_markdown(reward: str, control: str, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['variant']} | {len(r['seeds'])} | {_signed_pm(r.get('gain'))} | {_signed_pm(r.get('drift'))} | {_signed_pm(r.get('net'))} | "
                      f"{_signed_pm(r.get('heldout_gain'))} | {_signed_pm(r.get('heldout_drift'))} | {_signed_pm(r.get('heldout_net'))} |")
+    if len(rows) > 1:
+        lines += ["", f"Paired by seed against {rows[0]['variant']}: per seed, the variant's net gain minus the baseline's "
+                  "(each net of its own shuffled-reward run); mean, 95% confidence interval (Student's t over seeds), "
+                  "two-sided p of a paired t-test, and the seeds where the variant is ahead.", "",
+                  f"| variant | seeds | net - {rows[0]['variant']} | 95% CI | p | seeds ahead | held-out net - {rows[0]['variant']} | 95% CI | p | seeds ahead |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows[1:]:
+            a, h = r.get("vs_baseline") or {}, r.get("heldout_vs_baseline") or {}
+            lines.append(f"| {r['variant']} | {a.get('n', 0)} | {_paired(a)} | {h.get('n', 0) and _paired(h)} |")
     return "\n".join(lines + [""])
+
+
+def _paired(t: dict) -> str:
+    """mean | CI | p | seeds ahead, as four table cells."""
+    if not t.get("n"):
+        return "- | - | - | -"
+    ci = f"[{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]" if t.get("ci95") else "-"
+    p = f"{t['p']:.3f}" if t.get("p") is not None else "-"
+    return f"{t['mean']:+.3f} | {ci} | {p} | {t['above']}/{t['n']}"
 
 
 def plot(real: dict, control: dict, path: Path, reward: str, control_name: str) -> None:
@@ -123,11 +217,14 @@ def main(argv=None) -> list[dict]:
     base = args.study / "runs" / args.reward / "base_policy_eval.json"
     untrained = json.loads(base.read_text())["reward_mean"] if base.exists() else None
     rows = drift_rows(real, control, untrained)
+    reach = net_cost_rows(real, control)
     stem = args.study / (f"drift_{args.suite}_{args.reward}" if args.suite else f"drift_{args.reward}")
-    write_json(stem.with_suffix(".json"), {"reward": args.reward, "control": args.control, "untrained_heldout": untrained, "rows": rows})
-    stem.with_suffix(".md").write_text(table_markdown(args.reward, args.control, rows))
+    write_json(stem.with_suffix(".json"), {"reward": args.reward, "control": args.control, "untrained_heldout": untrained, "rows": rows,
+                                           "net_cost_to_reach": reach})
+    text = table_markdown(args.reward, args.control, rows) + net_cost_markdown(reach)
+    stem.with_suffix(".md").write_text(text)
     plot(real, control, stem.with_suffix(".png"), args.reward, args.control)
-    print(table_markdown(args.reward, args.control, rows))
+    print(text)
     return rows
 
 
