@@ -9,6 +9,8 @@ import io
 import numpy as np
 from PIL import Image
 
+from diffrlhf.rewards.control import ShuffledControl
+
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
     buf = io.BytesIO()
@@ -33,7 +35,7 @@ class JpegCompressibility(JpegIncompressibility):
     sign = -1.0
 
 
-class ShuffledJpegCompressibility(JpegCompressibility):
+class ShuffledJpegCompressibility(ShuffledControl, JpegCompressibility):
     """A control, not an objective: each image gets the compressibility of the NEXT image in the
     same call (cyclic). The rewards keep their distribution and each call's mean (so the logged
     reward mean is still the samples' mean compressibility), but none carries information about
@@ -42,9 +44,3 @@ class ShuffledJpegCompressibility(JpegCompressibility):
     run on the real reward."""
 
     name = "jpeg_compressibility_shuffled"
-
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
-        if len(images) < 2:
-            raise ValueError(f"{self.name}: a call must score at least 2 images (got {len(images)}), or an image would "
-                             "get its own reward; use reward.batch_size >= 2 and sample batches of >= 2")
-        return np.roll(super().__call__(images, prompts), -1)

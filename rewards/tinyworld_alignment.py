@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from diffrlhf.rewards.control import ShuffledControl
+
 # ----------------------------------------------------------------------------- the tiny world's vocabulary
 
 RES = 64
@@ -527,16 +529,10 @@ class TinyWorldAlignment:
         return np.array([self.score_reading(self.read(im), cap) for im, cap in zip(images, caps)], np.float32)
 
 
-class ShuffledTinyWorldAlignment(TinyWorldAlignment):
+class ShuffledTinyWorldAlignment(ShuffledControl, TinyWorldAlignment):
     """A control, not an objective (as jpeg_compressibility_shuffled): each image gets the
     alignment score of the NEXT image in the same call (cyclic), scored against that image's own
     caption. Same rewards, distribution and per-call mean; none carries information about its own
     image, so training on it measures an update rule's drift with no reward signal."""
 
     name = "tinyworld_alignment_shuffled"
-
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
-        if len(images) < 2:
-            raise ValueError(f"{self.name}: a call must score at least 2 images (got {len(images)}), or an image would "
-                             "get its own reward; use reward.batch_size >= 2 and sample batches of >= 2")
-        return np.roll(super().__call__(images, prompts), -1)

@@ -27,3 +27,21 @@ def small_settings():
     from diffrlhf.policy.sampler import SamplingSettings
 
     return SamplingSettings(num_steps=6, eta=1.0, guidance_scale=5.0, resolution=32)
+
+
+def _reference_like_actors(cfg):
+    """The reference loop's records for cfg, run with the actors' torch threads (same kernels,
+    same rounding), so a Ray run of the same config can be compared with it."""
+    from diffrlhf.actors.reference_loop import run_reference
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.system.torch_threads)
+    try:
+        return run_reference(cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def reference_like_actors():
+    return _reference_like_actors

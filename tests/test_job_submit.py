@@ -16,7 +16,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("ray")
 
@@ -88,9 +87,7 @@ def test_a_job_without_the_token_is_refused(head):
     assert out.returncode != 0 and "token" in (out.stdout + out.stderr).lower()
 
 
-def test_ray_job_submit_runs_the_tiny_preset_like_the_reference_loop(head, tmp_path):
-    from diffrlhf.actors.reference_loop import run_reference
-
+def test_ray_job_submit_runs_the_tiny_preset_like_the_reference_loop(head, tmp_path, reference_like_actors):
     env, url = head
     out = submit(env, url, "--runtime-env", "deploy/jobs/runtime_env.yaml", "--working-dir", ".", "--",
                  "python", "-m", "diffrlhf.deploy.cli", "train", "--preset", "tiny", *OVERRIDES,
@@ -102,13 +99,7 @@ def test_ray_job_submit_runs_the_tiny_preset_like_the_reference_loop(head, tmp_p
     assert (run / "checkpoint" / "state.pt").exists() and (run / "lora" / "epoch_0001").is_dir()
     assert [r["reward_queries"] for r in records] == [16]
 
-    cfg = load_config("tiny", overrides=OVERRIDES)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.system.torch_threads)  # as the actors: same kernels, same rounding
-    try:
-        reference = run_reference(cfg, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    reference = reference_like_actors(load_config("tiny", overrides=OVERRIDES))
     for a, b in zip(records, reference, strict=True):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-4)
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5, rel=1e-3)

@@ -13,7 +13,6 @@ cluster of separate hosts rendezvous at rank 0's node address (actors/driver.py)
 import time
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
@@ -77,16 +76,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference_run():
-    from diffrlhf.actors.reference_loop import run_reference
-
-    cfg = load_config("tiny", overrides=SMALL)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.system.torch_threads)  # as the actors: same kernels, same rounding
-    try:
-        return run_reference(cfg, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+def reference_run(reference_like_actors):
+    return reference_like_actors(load_config("tiny", overrides=SMALL))
 
 
 def test_role_nodes_a_learner_group_across_nodes_and_a_removed_sampler_node_losing_no_query(tmp_path, cluster, reference_run):

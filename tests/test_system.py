@@ -33,16 +33,8 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def reference_run():
-    from diffrlhf.actors.reference_loop import run_reference
-
-    cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.system.torch_threads)  # as the actors: same kernels, same rounding
-    try:
-        return run_reference(cfg, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+def reference_run(reference_like_actors):
+    return reference_like_actors(cfg_with("train.epochs=3", "system.max_policy_lag=0"))
 
 
 def final_lora(run_dir):
