@@ -22,15 +22,16 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
+from diffrlhf.actors import oracle
 from diffrlhf.actors.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from diffrlhf.actors.observe import RunMetrics, Watchdog
 from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask,
                                        resource_problems, role_requests)
-from diffrlhf.actors.settings import reward_runtime_env
+from diffrlhf.actors.settings import plan_for, reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
 from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
 from diffrlhf.learner.lora import flatten_lora_state
-from diffrlhf.policy.prompts import load_prompts, plan_batch
+from diffrlhf.policy.prompts import BatchPlan, load_prompts
 
 __all__ = ["Driver", "RunFailed", "init_ray"]
 
@@ -246,6 +247,8 @@ class Driver:
                 self.logger.truncate(self.sched.epochs_done)
         else:
             self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
+            if 0 in oracle.probe_rounds(self.cfg):
+                self._probe(0, self.weights[0])
         self.t_run = time.time() - (state["wall_s"] if state else 0.0)  # wall_s continues over a resume
         self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
         self.watch: dict = {}  # a learner group's rank 1.. update ref -> rank 0's (pending) ref
@@ -284,8 +287,7 @@ class Driver:
                 continue
             extra = ()
             if isinstance(t, SampleTask):
-                plan = plan_batch(self.prompts, self.cfg.run.seed, t.epoch, t.batch, self.cfg.sample.batch_size,
-                                  self.cfg.sample.batches_per_epoch, self.cfg.sample.samples_per_prompt)
+                plan = plan_for(self.cfg, self.prompts, t.epoch, t.batch)
                 ref, *extra = self.samplers[t.actor].sample.options(num_returns=3).remote(plan, self.weights[t.version])
             elif isinstance(t, ScoreTask):
                 ref = self.rewards[t.actor].score.remote(self.sampled[t.epoch, t.batch][0])
@@ -358,6 +360,8 @@ class Driver:
         metrics = outcomes[0][0]
         self.weights[t.epoch + 1] = weights
         new = self.sched.updated(t, summary["samples"])
+        if t.epoch + 1 in oracle.probe_rounds(self.cfg):  # before the checkpoint, which then holds the new profile
+            self._probe(t.epoch + 1, weights)
         self._submit([x for x in new if not isinstance(x, UpdateTask)])  # sampling goes on while we log and checkpoint
         keep = set(self.sched.needed_versions())
         self.weights = {v: w for v, w in self.weights.items() if v in keep}
@@ -367,6 +371,32 @@ class Driver:
         # The next update goes out only now: actor calls run in order, so the checkpoint above read
         # the learner and buffer before that epoch's finalize and update changed them.
         return [x for x in new if isinstance(x, UpdateTask)]
+
+    def _probe(self, round_: int, weights) -> None:
+        """The oracle weighting's probe (actors/oracle.py) on the run's actors, with the policy `weights`
+        (an object ref of (version, flat LoRA)): the branches over every sampler, the scores on reward
+        actor 0, the profile to every learner rank; its queries count as the run's."""
+        t = self.cfg.system.idle_timeout_s
+
+        def sample(prompts, seeds, ids):
+            plan = BatchPlan(-1, round_, prompts, seeds, ids)
+            return ray.get(self.samplers[0].sample.options(num_returns=3).remote(plan, weights)[2], timeout=t)
+
+        def branch_all(batch, jobs):
+            m = self.cfg.weighting.oracle_branches
+            refs = [self.samplers[i % len(self.samplers)].branch.remote(batch, k, m, seeds, weights) for i, (k, seeds) in enumerate(jobs)]
+            return ray.get(refs, timeout=t)
+
+        def score(ids, images, prompts):
+            return ray.get(self.rewards[0].score.remote({"ids": ids, "images": images, "prompts": prompts}), timeout=t)
+
+        try:
+            profile, _, queries = oracle.measure(self.cfg, self.prompts, round_, sample, branch_all, score)
+        except (ray.exceptions.RayError, ValueError) as e:
+            raise RunFailed(f"the oracle weighting's probe after {round_} updates failed: {_error_text(e)}") from None
+        ray.get([a.set_timestep_profile.remote(profile) for a in self.learners], timeout=t)
+        self.sched.counters["reward_queries"] += queries
+        self.sched.counters["reward_queries_total"] += queries
 
     def _wait(self) -> list:
         """The refs that are ready, in submission order; in slices, so the watchdog speaks and
@@ -422,7 +452,7 @@ class Driver:
 
     def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float) -> None:
         c = self.sched.counters
-        rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, wall_s=wall,
+        rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, wall_s=wall, samples_trained=summary["samples_trained"],
                            **{k: v for k, v in c.items() if k not in ("epochs_done", "reward_queries")})
         self.records.append(rec)
         self.metrics.epoch(rec, rec["reward_queries"] - (self.records[-2]["reward_queries"] if len(self.records) > 1 else 0))

@@ -11,11 +11,14 @@ import time
 import torch
 from tqdm import tqdm
 
-from diffrlhf.actors.settings import advantage_computer, build_policy, replay_buffer, reward_server, sampling_settings
+from diffrlhf.actors import oracle
+from diffrlhf.actors.settings import (advantage_computer, build_policy, plan_for, replay_buffer, reward_server, sampling_settings,
+                                      train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.policy.prompts import load_prompts, plan_batch
+from diffrlhf.policy.branching import branch_trajectories, sample_plan
 from diffrlhf.policy.sampler import sample_trajectories
+from diffrlhf.policy.prompts import load_prompts
 
 
 def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> list[dict]:
@@ -29,21 +32,36 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
     prompt_list = load_prompts(cfg.prompts.train)
     records = []
     bar = _progress(cfg.train.epochs, progress)
+    rounds = oracle.probe_rounds(cfg)
+
+    def probe(round_):  # the oracle weighting's measurement, on the policy that samples next
+        def branch_all(batch, jobs):
+            return [branch_trajectories(comps, batch, k, cfg.weighting.oracle_branches, seeds, settings, learner.negative_embeds)
+                    for k, seeds in jobs]
+
+        profile, _, _ = oracle.measure(cfg, prompt_list, round_, lambda pr, se, ids: sample_trajectories(
+            comps, pr, se, settings, learner.version, ids, learner.negative_embeds), branch_all, rewards.score)
+        learner.set_timestep_profile(profile)
+
+    if 0 in rounds:
+        probe(0)
     for epoch in range(cfg.train.epochs):
         t0 = time.time()
         parts = []
         for bi in range(cfg.sample.batches_per_epoch):
-            plan = plan_batch(prompt_list, cfg.run.seed, epoch, bi, cfg.sample.batch_size,
-                              cfg.sample.batches_per_epoch, cfg.sample.samples_per_prompt)
-            parts.append(sample_trajectories(comps, plan.prompts, plan.seeds, settings, learner.version,
-                                             plan.sample_ids, learner.negative_embeds))
+            plan = plan_for(cfg, prompt_list, epoch, bi)
+            parts.append(sample_plan(comps, plan, settings, learner.version, learner.negative_embeds))
         t_sample = time.time() - t0
         sampled = TrajectoryBatch.cat(parts)
         score = rewards.score(sampled.sample_ids.tolist(), sampled.images.numpy(), sampled.prompts)
         t_score = time.time() - t0 - t_sample
-        batch, _ = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards)], advantages, buffer)
+        batch, summary = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards)], advantages, buffer,
+                                        train_rows(cfg))
         upd = learner.update(buffer.training_batch(epoch))
+        if epoch + 1 in rounds:
+            probe(epoch + 1)
         rec = epoch_record(epoch, batch.rewards, rewards.num_queries, upd, reward_dropped=rewards.num_dropped,
+                           samples_trained=summary["samples_trained"],
                            time_sample=t_sample, time_score=t_score, time_update=time.time() - t0 - t_sample - t_score,
                            time_epoch=time.time() - t0)
         records.append(rec)

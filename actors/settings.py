@@ -8,9 +8,12 @@ import os
 import torch
 
 from diffrlhf.buffer.advantages import AdvantageComputer
+from diffrlhf.buffer.epoch import branch_extremes
 from diffrlhf.buffer.replay import ReplayBuffer
+from diffrlhf.learner.timesteps import backward_trained_steps, num_trained_steps
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.models import SDComponents, load_components, resolve_device
+from diffrlhf.policy.prompts import BatchPlan, plan_batch
 from diffrlhf.policy.sampler import SamplingSettings
 from diffrlhf.rewards import default_runtime_env, spec_name
 from diffrlhf.rewards.serving import RewardServer
@@ -82,3 +85,31 @@ def advantage_computer(cfg) -> AdvantageComputer:
 def replay_buffer(cfg) -> ReplayBuffer:
     r = cfg.replay
     return ReplayBuffer(r.max_epochs, r.mode, r.k, seed=cfg.run.seed)
+
+
+def branch_step(cfg, epoch: int) -> int | None:
+    """Where the samplers of `epoch` branch under algorithm.name=b2diffurl (None otherwise): after
+    T - k steps, k the steps the learner's `backward` selection trains at that epoch's update (its
+    progress is updates done / epochs, and update e is the e-th), so the trained segment is exactly
+    the branched one."""
+    if cfg.algorithm.name != "b2diffurl":
+        return None
+    t = cfg.sample.num_steps
+    first = num_trained_steps(t, cfg.train.timestep_fraction)
+    return t - backward_trained_steps(t, first, min(1.0, epoch / cfg.train.epochs))
+
+
+def plan_for(cfg, prompt_list: list[str], epoch: int, batch_index: int) -> BatchPlan:
+    """The plan of batch `batch_index` of `epoch` (policy/prompts.py plan_batch) under this config."""
+    s = cfg.sample
+    return plan_batch(prompt_list, cfg.run.seed, epoch, batch_index, s.batch_size, s.batches_per_epoch, s.samples_per_prompt,
+                      branch_step(cfg, epoch))
+
+
+def train_rows(cfg):
+    """The buffer's choice of an epoch's rows to train: all (None), or under b2diffurl each branch
+    group's extremes (buffer/epoch.py branch_extremes)."""
+    if cfg.algorithm.name != "b2diffurl":
+        return None
+    a, g = cfg.algorithm, cfg.sample.samples_per_prompt
+    return lambda batch: branch_extremes(batch.sample_ids, batch.advantages, g, a.b2_pos_threshold, a.b2_neg_threshold)

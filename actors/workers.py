@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from diffrlhf.actors.settings import advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings
+from diffrlhf.actors.settings import (advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings,
+                                      train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
 from diffrlhf.buffer.sharding import shard_batch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.distributed import Group, free_port, init_group
 from diffrlhf.learner.lora import FlatLoRA, add_lora, flat_lora_state, load_flat_lora, save_lora, tile_lora_parameters
-from diffrlhf.policy.branching import branch_trajectories
-from diffrlhf.policy.sampler import sample_trajectories
+from diffrlhf.policy.branching import branch_trajectories, sample_plan
 
 
 def timed(method):
@@ -86,8 +86,7 @@ class SamplerWorker(_Role):
         version, lora = weights
         if version != self.version:
             self.set_weights(version, lora)
-        batch = sample_trajectories(self.components, plan.prompts, plan.seeds, self.settings, self.version,
-                                    plan.sample_ids, self.negative_embeds)
+        batch = sample_plan(self.components, plan, self.settings, self.version, self.negative_embeds)
         reward_input = {"ids": batch.sample_ids.tolist(), "images": batch.images.numpy(), "prompts": batch.prompts}
         info = {"version": self.version, "rows": len(batch), "sample_s": time.perf_counter() - t0, "pid": os.getpid()}
         return info, reward_input, batch
@@ -138,7 +137,7 @@ class BufferWorker(_Role):
     def finalize_epoch(self, epoch: int) -> dict:
         """Advantages over the whole epoch, in batch-index order (as the reference loop), then store."""
         parts = self.pending.pop(epoch, {})
-        _, summary = finalize_epoch(epoch, [parts[i] for i in sorted(parts)], self.advantages, self.replay)
+        _, summary = finalize_epoch(epoch, [parts[i] for i in sorted(parts)], self.advantages, self.replay, train_rows(self.cfg))
         return summary
 
     @timed
@@ -190,9 +189,15 @@ class LearnerWorker(_Role):
         g = self.learner.group
         lag = g.sum_(torch.tensor([fresh.sum().item(), len(fresh)], dtype=torch.float64))
         oldest = g.min_(torch.tensor([fresh.min().item() if len(fresh) else float("inf")], dtype=torch.float64))
-        metrics["policy_lag_max"] = int(self.learner.version - 1 - oldest.item())
-        metrics["policy_lag_mean"] = float(self.learner.version - 1 - lag[0] / lag[1])
+        if lag[1] > 0:
+            metrics["policy_lag_max"] = int(self.learner.version - 1 - oldest.item())
+            metrics["policy_lag_mean"] = float(self.learner.version - 1 - lag[0] / lag[1])
+        else:  # no fresh row was trained (b2diffurl: no branch group passed its thresholds)
+            metrics["policy_lag_max"], metrics["policy_lag_mean"] = 0, float("nan")
         return metrics, (self.weights() if self.rank == 0 else None)
+
+    def set_timestep_profile(self, profile) -> None:
+        self.learner.set_timestep_profile(profile)
 
     def weights(self) -> tuple[int, FlatLoRA]:
         return self.learner.version, flat_lora_state(self.components.unet)

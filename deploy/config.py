@@ -91,6 +91,11 @@ class AdvantageConfig:
 class WeightingConfig:
     scheme: str = _UPDATE.weighting  # one of learner.weighting.SCHEMES
     gaussian_width: float = _UPDATE.gaussian_width
+    # oracle: the probe that measures the per-step reward variance (actors/oracle.py); its
+    # trajectories x steps x branches reward queries count in the run's budget
+    oracle_trajectories: int = 4
+    oracle_branches: int = 4
+    oracle_every: int = 0  # re-measure after every this many updates (0: once, before the first)
 
 
 @dataclass
@@ -103,9 +108,13 @@ class ReplayConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = _UPDATE.algorithm  # one of learner.update.ALGORITHMS: ddpo | dpok
+    name: str = _UPDATE.algorithm  # one of learner.update.ALGORITHMS: ddpo | dpok | b2diffurl
     kl_coef: float = _UPDATE.kl_coef  # dpok: beta, weight of the per-step KL to the pretrained model
     reward_scale: float = _UPDATE.reward_scale  # dpok: alpha, scale of the advantage
+    # b2diffurl: a branch group's best row is trained if its advantage is >= this, its worst if < the
+    # negative one (the reference's run_process.sh values)
+    b2_pos_threshold: float = 0.5
+    b2_neg_threshold: float = -0.5
 
 
 @dataclass
@@ -119,7 +128,7 @@ class TrainConfig:
     clip_range: float = _UPDATE.clip_range
     max_grad_norm: float = _UPDATE.max_grad_norm
     timestep_fraction: float = _UPDATE.timestep_fraction  # share of the T steps trained per trajectory
-    timestep_selection: str = _UPDATE.timestep_selection  # which steps: all | random | weighted | top | window
+    timestep_selection: str = _UPDATE.timestep_selection  # which steps: all | random | weighted | top | window | backward
     inner_epochs: int = _UPDATE.inner_epochs
     batch_size: int = _UPDATE.batch_size
     grad_accum_steps: int = _UPDATE.grad_accum_steps  # optimizer step every grad_accum_steps batches (x trained timesteps), as DDPO
@@ -207,6 +216,9 @@ _RANGES = {
     "advantage.min_count": (lambda v: v >= 0, ">= 0"),
     "advantage.clip_max": (lambda v: v > 0, "> 0"),
     "weighting.gaussian_width": (lambda v: v > 0, "> 0"),
+    "weighting.oracle_trajectories": (lambda v: v >= 2, ">= 2 (the standard error is over trajectories)"),
+    "weighting.oracle_branches": (lambda v: v >= 2, ">= 2 (a variance needs two branches)"),
+    "weighting.oracle_every": (lambda v: v >= 0, ">= 0 (0: measure once)"),
     "replay.max_epochs": (lambda v: v >= 0, ">= 0"),
     "replay.k": (lambda v: v >= 0, ">= 0"),
     "train.epochs": (lambda v: v >= 0, ">= 0"),
@@ -289,6 +301,17 @@ def validate(cfg: Config) -> Config:
     if cfg.train.timestep_selection == "all" and cfg.train.timestep_fraction != 1:
         raise ConfigError(f"config key 'train.timestep_fraction': value {cfg.train.timestep_fraction} must be 1 with "
                           "train.timestep_selection=all (every step is trained); for a subset choose random, weighted, top or window")
+    if cfg.algorithm.name == "b2diffurl":
+        if cfg.sample.samples_per_prompt < 2:
+            raise ConfigError("config key 'algorithm.name': b2diffurl branches each prompt's samples from a shared prefix, so "
+                              f"sample.samples_per_prompt (the branches, now {cfg.sample.samples_per_prompt}) must be >= 2")
+        if cfg.train.timestep_selection != "backward":
+            raise ConfigError(f"config key 'train.timestep_selection': b2diffurl trains the steps after its branch point, "
+                              f"so it must be 'backward' (got {cfg.train.timestep_selection!r}); train.timestep_fraction "
+                              "is then the first stage's share of the steps (the reference: 0.7)")
+        if cfg.algorithm.b2_neg_threshold >= cfg.algorithm.b2_pos_threshold:
+            raise ConfigError(f"config key 'algorithm.b2_neg_threshold': value {cfg.algorithm.b2_neg_threshold} must be "
+                              f"below algorithm.b2_pos_threshold ({cfg.algorithm.b2_pos_threshold})")
     if cfg.train.batch_size < cfg.system.num_learners:
         raise ConfigError(f"config key 'system.num_learners': value {cfg.system.num_learners} is more than train.batch_size "
                           f"({cfg.train.batch_size}); every learner trains a slice of each mini-batch, so lower num_learners "

@@ -22,17 +22,31 @@ term is positively homogeneous in the advantage, c can multiply the advantage.
             floor(p * (T - k + 1)) (capped at T - k), p = updates done / train.epochs, so the
             window moves from the first (noisiest) steps to the last over training and spends
             an equal share of the epochs at each position; c = 1.
+  backward  B2-DiffuRL's backward progressive training: the last k_p steps, in a random order per
+            trajectory, c = 1, where k_p = backward_trained_steps(T, k, p) grows from k (the first
+            stage, k = round(T * fraction)) to T over training: k_p = min(T, k + floor(p (T - k + 1))),
+            p = updates done / train.epochs (the reference's stage schedule, one stage per epoch).
+            Under algorithm.name=b2diffurl the samplers branch at step T - k_p of the same epoch.
 """
 from __future__ import annotations
 
 import torch
 
-SELECTIONS = ("all", "random", "weighted", "top", "window")
+SELECTIONS = ("all", "random", "weighted", "top", "window", "backward")
 
 
 def num_trained_steps(num_steps: int, fraction: float) -> int:
     """k = round(T * fraction), at least 1."""
     return max(1, int(round(num_steps * fraction)))
+
+
+def backward_trained_steps(num_steps: int, first: int, progress: float) -> int:
+    """B2-DiffuRL's stage schedule: how many of the last steps are trained at `progress` in [0, 1]
+    (updates done / epochs), from `first` at the start to all num_steps in the last stage."""
+    if not 1 <= first <= num_steps:
+        raise ValueError(f"the first stage trains 1..{num_steps} steps, got {first}")
+    # + 1e-9: progress is epoch / epochs, and a float like 6.999999 must floor as the integer schedule's 7
+    return min(num_steps, first + int(progress * (num_steps - first + 1) + 1e-9))
 
 
 def inclusion_probabilities(w: torch.Tensor, k: int) -> torch.Tensor:
@@ -89,4 +103,9 @@ def select_timesteps(selection: str, w: torch.Tensor, batch_size: int, k: int, g
     if selection == "window":
         start = min(t - k, int(progress * (t - k + 1)))
         return torch.arange(start, start + k).expand(batch_size, k).clone(), torch.ones(batch_size, k)
+    if selection == "backward":
+        kp = backward_trained_steps(t, k, progress)
+        # The reference trains the segment's steps in a fresh random order per trajectory.
+        steps = torch.stack([t - kp + torch.randperm(kp, generator=gen) for _ in range(batch_size)])
+        return steps, torch.ones(batch_size, kp)
     raise ValueError(f"unknown timestep selection {selection!r}; choose one of {', '.join(SELECTIONS)}")

@@ -18,6 +18,11 @@ The algorithm (`algorithm.name`): `ddpo` is the above; `dpok` (Fan et al. 2023) 
 alpha (reward_scale) and adds beta (kl_coef) times c times the per-step KL between the policy's DDIM
 step and the pretrained model's (learner/loss.py dpok_loss), the pretrained mean coming from the same
 UNet with the LoRA bypassed (learner/lora.py adapter_disabled), one extra forward without gradient.
+`b2diffurl` (Hu et al. 2025) trains with DDPO's loss; what makes it B2-DiffuRL is upstream: the
+samplers branch (policy/branching.py sample_branched), the buffer keeps each branch group's
+extremes (buffer/epoch.py branch_extremes) and train.timestep_selection=backward trains the steps
+after the branch point. An update may then have no rows (no group passed the thresholds): the
+version still advances, so the schedule stays in step with the epochs, and nothing is trained.
 Compute is counted: `learner_passes` = trajectory-steps trained (one UNet forward+backward of one
 sample at one step, on CFG's doubled input), `learner_calls` = UNet forward+backward calls (a chunk
 of rows at one step), `learner_forward_passes` = forward-only trajectory-steps (log-prob
@@ -47,7 +52,7 @@ from diffrlhf.policy.sampler import SamplingSettings
 LOGPROB_MODES = ("recorded", "recompute")
 # The policy-gradient algorithm the update runs (algorithm.name); a new one adds its name here and its
 # branch in PolicyLearner.update.
-ALGORITHMS = ("ddpo", "dpok")
+ALGORITHMS = ("ddpo", "dpok", "b2diffurl")
 
 
 @dataclass
@@ -95,6 +100,7 @@ class PolicyLearner:
         self.version = 0
         self.group = Group()  # a single learner; a learner group's rank sets its own (learner/distributed.py)
         self.passes_total = 0  # trajectory-steps trained over the run (the compute axis of the curves)
+        self.timestep_profile: torch.Tensor | None = None  # the `oracle` weighting's measured per-step variance
 
     # ------------------------------------------------------------------ policy evaluation
 
@@ -155,6 +161,8 @@ class PolicyLearner:
         if s.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {s.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         dpok = s.algorithm == "dpok"
+        if shard.num_rows == 0:
+            return self._empty_update(t_start)
         self._set_schedule(batch)
         b, t_total = shard.num_rows, batch.num_steps
         local = torch.full((b,), -1, dtype=torch.long)  # global row -> row of `batch`
@@ -166,7 +174,7 @@ class PolicyLearner:
             old_logp[is_replay] = self.recompute_log_probs(batch.select(torch.nonzero(is_replay).flatten()))
             forward_passes = int(is_replay.sum()) * t_total
         w = timestep_weights(s.weighting, batch.latents, batch.timesteps, self.c.scheduler, s.eta, s.gaussian_width,
-                             reduce=g.sum_ if g.world > 1 else None)
+                             reduce=g.sum_ if g.world > 1 else None, profile=self.timestep_profile)
         n_train_t = num_trained_steps(t_total, s.timestep_fraction)
         progress = min(1.0, self.version / s.total_epochs) if s.total_epochs else 0.0
         gen = update_generator(self.seed, self.version)
@@ -238,6 +246,15 @@ class PolicyLearner:
             out["kl_pretrained"] = mean_of(8, 0)
         return out
 
+    def _empty_update(self, t_start: float) -> dict:
+        """An update with no rows to train (b2diffurl: no branch group passed its thresholds)."""
+        self.version += 1
+        nan = float("nan")
+        return {"loss": nan, "approx_kl": nan, "clipfrac": nan, "clipfrac_replay": nan, "clipfrac_fresh": nan, "grad_norm": nan,
+                "optimizer_steps": 0, "num_replayed": 0, "policy_version": self.version, "timestep_weights": [], "steps_trained": 0,
+                "learner_calls": 0, "learner_passes": 0, "learner_passes_total": self.passes_total, "learner_forward_passes": 0,
+                "learner_s": time.perf_counter() - t_start, "learners": self.group.world}
+
     def _optimizer_step(self, scale: float = 1.0) -> float:
         self.group.sum_grads_(self.params)  # every rank takes the same step
         if scale != 1.0:  # a partial accumulation: make it a mean over the backwards it had
@@ -251,15 +268,20 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ weights and state
 
+    def set_timestep_profile(self, profile) -> None:
+        """The `oracle` weighting's per-step variance, measured by the run's probe (actors/oracle.py)."""
+        self.timestep_profile = torch.as_tensor(profile, dtype=torch.float64).clone()
+
     def lora_state(self) -> dict[str, torch.Tensor]:
         return lora_state_dict(self.c.unet)
 
     def state_dict(self) -> dict:
         return {"lora": self.lora_state(), "optimizer": self.optimizer.state_dict(), "version": self.version,
-                "passes_total": self.passes_total}
+                "passes_total": self.passes_total, "timestep_profile": self.timestep_profile}
 
     def load_state_dict(self, state: dict) -> None:
         load_lora_state_dict(self.c.unet, state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
         self.passes_total = state.get("passes_total", 0)  # checkpoints from before passes were counted
+        self.timestep_profile = state.get("timestep_profile")

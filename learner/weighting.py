@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from diffrlhf.policy.branching import per_step_variance
 from diffrlhf.policy.ddim import ddim_std
 
-SCHEMES = ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late")
+SCHEMES = ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late", "oracle")
 _GAUSSIAN_CENTRES = {"gaussian_early": 0.0, "gaussian_mid": 0.5, "gaussian_late": 1.0}
 
 
@@ -35,6 +36,20 @@ def latent_change(latents: torch.Tensor, power: int, reduce=None) -> torch.Tenso
     return sums[:-1] / sums[-1]
 
 
+def oracle_profile(rewards) -> torch.Tensor:
+    """The `oracle` weights from a branching probe: rewards[P, T, M], level k = M branches sharing
+    the state after k steps (k = 0: the initial noise only). Step i's share of the reward variance
+    is E[Var(R | after i steps)] - E[Var(R | after i+1 steps)] (policy/branching.py per_step_variance,
+    the law of total variance), the quantity Var(A_t) the weighting wants. A share estimated below 0
+    (sampling noise of a small probe) is a step that adds nothing: weight 0. [T] float64, not normalised."""
+    shares, _ = per_step_variance(rewards)
+    w = shares.clamp(min=0)
+    if not (w > 0).any():
+        raise ValueError("the oracle probe measured no positive per-step variance (every step's share <= 0); "
+                         "raise weighting.oracle_trajectories or weighting.oracle_branches")
+    return w
+
+
 def timestep_weights(
     scheme: str,
     latents: torch.Tensor,
@@ -43,6 +58,7 @@ def timestep_weights(
     eta: float = 1.0,
     gaussian_width: float = 0.2,
     reduce=None,
+    profile: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """w [T] for `scheme` on a batch with latents [B, T+1, ...] and timesteps [B, T] (or [T]).
 
@@ -52,6 +68,8 @@ def timestep_weights(
     ddim_std       the sampler's std at t, eta * sqrt(beta_tilde_t) (static; needs the scheduler).
     gaussian_*     exp(-(u - c)^2 / (2 width^2)) with u = i / (T-1) the position in the chain and
                    c = 0 (early, noisy steps), 0.5 (mid) or 1 (late, nearly clean steps).
+    oracle         `profile`, the per-step reward variance a branching probe measured on the policy
+                   (oracle_profile; actors/oracle.py runs the probe and counts its reward queries).
     """
     t = timesteps[0] if timesteps.ndim == 2 else timesteps
     n = t.numel()
@@ -70,6 +88,13 @@ def timestep_weights(
             raise ValueError(f"gaussian_width must be > 0, got {gaussian_width}")
         u = torch.linspace(0, 1, n, dtype=torch.float64) if n > 1 else torch.zeros(1, dtype=torch.float64)
         w = torch.exp(-((u - _GAUSSIAN_CENTRES[scheme]) ** 2) / (2 * gaussian_width**2))
+    elif scheme == "oracle":
+        if profile is None:
+            raise ValueError("timestep weighting 'oracle' needs the measured per-step variance profile; the run measures it "
+                             "before the first update (actors/oracle.py)")
+        if profile.numel() != n:
+            raise ValueError(f"the oracle profile has {profile.numel()} steps, the batch {n}")
+        w = profile
     else:
         raise ValueError(f"unknown timestep weighting scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     return normalise_mean_one(w)

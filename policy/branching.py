@@ -1,4 +1,5 @@
-"""Branching a recorded trajectory, and the per-step reward variance that branching measures.
+"""Branching a recorded trajectory, B2-DiffuRL's branch sampling, and the per-step reward variance
+that branching measures.
 
 Branching: keep a recorded trajectory's first k DDIM steps (its latents z_T .. the state after
 step k, bit for bit) and continue the chain from there with fresh noise, M times. The
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.policy.sampler import SamplingSettings, _noise, run_chain
+from diffrlhf.policy.prompts import BatchPlan
+from diffrlhf.policy.sampler import SamplingSettings, _noise, run_chain, sample_trajectories
 
 FRESH = -1  # branch step meaning "share only the prompt": each branch draws its own initial noise (a full sample)
 
@@ -93,6 +95,73 @@ def branch_trajectories(components, batch: TrajectoryBatch, step: int, num_branc
         sample_ids=torch.as_tensor(list(range(n)) if sample_ids is None else list(sample_ids), dtype=torch.long),
         meta={**settings.meta(), "branch_step": int(step)},
     )
+
+
+@torch.no_grad()
+def sample_branched(components, prompts: list[str], seeds: list[int], settings: SamplingSettings, policy_version: int,
+                    sample_ids: list[int], branch_step: int, group_size: int,
+                    negative_embeds: torch.Tensor | None = None) -> TrajectoryBatch:
+    """B2-DiffuRL's branch sampling: each run of `group_size` consecutive rows (one prompt) shares
+    one prefix of `branch_step` DDIM steps, then every row continues with its own noise.
+
+    The prefix is the trajectory sample_trajectories makes from the group's first seed (its initial
+    noise and its first branch_step steps' noise); row r's continuation draws its noise from
+    branch_seed(seeds[r], 0, branch_step, 0), so it is reproducible in any batch. The prefix runs
+    once per group (P * branch_step + B * (T - branch_step) UNet calls instead of B * T); its latents
+    and log-probs are copied into every row, so a group shares them bit for bit. branch_step = T
+    would make identical rows and is refused; 0 shares only the initial noise.
+    """
+    n, t_total = len(prompts), settings.num_steps
+    if len(seeds) != n or len(sample_ids) != n:
+        raise ValueError(f"prompts ({n}), seeds ({len(seeds)}) and sample_ids ({len(sample_ids)}) must match")
+    if group_size < 2 or n % group_size:
+        raise ValueError(f"branch groups of {group_size} rows need group_size >= 2 dividing the batch ({n} rows)")
+    if not 0 <= branch_step < t_total:
+        raise ValueError(f"branch_step must be in 0..{t_total - 1} (steps the branches share), got {branch_step}")
+    heads = list(range(0, n, group_size))
+    for h in heads:
+        if len(set(prompts[h:h + group_size])) != 1:
+            raise ValueError(f"a branch group must share its prompt, rows {h}..{h + group_size - 1} have {prompts[h:h + group_size]}")
+    device, dtype = components.device, components.unet.dtype
+    components.scheduler.set_timesteps(t_total, device="cpu")
+    timesteps = components.scheduler.timesteps.clone()
+    if negative_embeds is None:
+        negative_embeds = components.encode_prompts([settings.negative_prompt])
+    embeds = components.encode_prompts([prompts[h] for h in heads])
+    gens = [torch.Generator("cpu").manual_seed(int(seeds[h])) for h in heads]
+    h_lat = settings.resolution // components.vae_scale_factor
+    z = _noise(gens, (components.unet.config.in_channels, h_lat, h_lat), device, dtype) * components.scheduler.init_noise_sigma
+    pre_latents, pre_logps = run_chain(components, z, timesteps[:branch_step], embeds, negative_embeds, settings, gens)
+    rep = lambda x: x.float().cpu().repeat_interleave(group_size, dim=0)  # noqa: E731
+    prefix = [rep(x) for x in [z] + pre_latents]
+    z = prefix[-1].to(device, dtype)
+    branch_gens = [torch.Generator("cpu").manual_seed(branch_seed(s, 0, branch_step, 0)) for s in seeds]
+    embeds = embeds.repeat_interleave(group_size, dim=0)
+    latents, logps = run_chain(components, z, timesteps[branch_step:], embeds, negative_embeds, settings, branch_gens)
+    all_latents = torch.stack(prefix + [x.float().cpu() for x in latents], dim=1)
+    return TrajectoryBatch(
+        prompts=list(prompts),
+        latents=all_latents,
+        timesteps=timesteps.long().unsqueeze(0).repeat(n, 1),
+        log_probs=torch.stack([rep(x) for x in pre_logps] + [x.float().cpu() for x in logps], dim=1),
+        prompt_embeds=embeds.float().cpu(),
+        images=components.decode_images(all_latents[:, -1].to(device, dtype)),
+        seeds=torch.as_tensor(seeds, dtype=torch.long),
+        policy_version=torch.full((n,), int(policy_version), dtype=torch.long),
+        sample_ids=torch.as_tensor(sample_ids, dtype=torch.long),
+        meta=settings.meta(),  # no branch step here: replay mixes epochs that branched at different steps
+    )
+
+
+def sample_plan(components, plan: BatchPlan, settings: SamplingSettings, policy_version: int,
+                negative_embeds: torch.Tensor | None = None) -> TrajectoryBatch:
+    """What a sampler runs for a planned batch: independent samples, or branch groups when the plan
+    says so (algorithm.name=b2diffurl). The reference loop and the sampler actors both call this."""
+    if plan.branch_step is None:
+        return sample_trajectories(components, plan.prompts, plan.seeds, settings, policy_version, plan.sample_ids,
+                                   negative_embeds)
+    return sample_branched(components, plan.prompts, plan.seeds, settings, policy_version, plan.sample_ids,
+                           plan.branch_step, plan.group_size, negative_embeds)
 
 
 # ----------------------------------------------------------------------------- the estimator (pure)

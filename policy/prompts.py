@@ -51,12 +51,18 @@ class BatchPlan:
     prompts: list
     seeds: list
     sample_ids: list
+    # B2-DiffuRL's branch sampling: the samples_per_prompt rows of a prompt share their first
+    # branch_step DDIM steps (policy/branching.py sample_branched); None: independent samples.
+    branch_step: int | None = None
+    group_size: int = 1
 
 
 def plan_batch(prompt_list: list[str], run_seed: int, epoch: int, batch_index: int, batch_size: int,
-               batches_per_epoch: int, samples_per_prompt: int = 1) -> BatchPlan:
+               batches_per_epoch: int, samples_per_prompt: int = 1, branch_step: int | None = None) -> BatchPlan:
     """What batch `batch_index` of `epoch` samples: prompts (each repeated samples_per_prompt times),
-    per-trajectory noise seeds and globally unique sample ids."""
+    per-trajectory noise seeds and globally unique sample ids; with branch_step, a prompt's rows
+    branch from one shared prefix of that many steps (their sample ids are consecutive, the first a
+    multiple of samples_per_prompt)."""
     rng = np.random.default_rng([run_seed, epoch, batch_index])
     n_prompts = batch_size // samples_per_prompt
     chosen = [prompt_list[i] for i in rng.integers(0, len(prompt_list), n_prompts)]
@@ -64,4 +70,4 @@ def plan_batch(prompt_list: list[str], run_seed: int, epoch: int, batch_index: i
     first = (epoch * batches_per_epoch + batch_index) * batch_size
     ids = list(range(first, first + batch_size))
     seeds = [run_seed * 1_000_000_007 + i for i in ids]
-    return BatchPlan(epoch, batch_index, prompts, seeds, ids)
+    return BatchPlan(epoch, batch_index, prompts, seeds, ids, branch_step, samples_per_prompt if branch_step is not None else 1)

@@ -252,7 +252,7 @@ def test_algorithm_config_defaults_and_errors():
         "algorithm.reward_scale=0": r"config key 'algorithm.reward_scale': value 0.0 is out of range; must be > 0",
         "algorithm.reward_scale=-2": r"config key 'algorithm.reward_scale'.*must be > 0",
         "algorithm.kl_coef=lots": r"config key 'algorithm.kl_coef': value 'lots' is a str, expected float",
-        "algorithm.beta=0.1": r"unknown config key 'algorithm.beta'; allowed here: kl_coef, name, reward_scale",
+        "algorithm.beta=0.1": r"unknown config key 'algorithm.beta'; allowed here: b2_neg_threshold, b2_pos_threshold, kl_coef, name, reward_scale",
         "algorithm=dpok": r"config key 'algorithm' is a section",
     }
     for override, message in cases.items():

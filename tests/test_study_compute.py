@@ -2,6 +2,7 @@
 and wall-clock are axes beside reward queries, and runs saved before the selection existed stay
 reusable (the new key at its default is the old behaviour)."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,3 +64,18 @@ def test_runs_saved_before_the_selection_key_stay_reusable(tmp_path):
         study.check_reusable(tmp_path / "run.json", saved, other)
     assert study.run_path(tmp_path, "r", ("uniform", "none"), 0) == study.run_path(tmp_path, "r", ("uniform", "none", "random", 1.0), 0)
     assert study.run_path(tmp_path, "r", ("ddim_std", "none", "top", 0.25), 3).parent.name == "ddim_std__none__top0.25"
+
+
+def test_baseline_variants_carry_their_algorithm_and_keep_the_query_budget():
+    """The `baselines` suite's 5th axis names a set of overrides: it shows in the run's folder and
+    config, and every variant samples the same 32 images an epoch (branches and group samples too)."""
+    paths = {label: study.run_path(Path("o"), "r", axes, 0).parent.name for label, axes in study.SUITES["baselines"].items()}
+    assert paths == {"ddpo": "uniform__none", "dpok": "uniform__none__dpok", "b2diffurl": "uniform__none__backward0.7__b2diffurl",
+                     "grpo": "uniform__none__grpo", "method": "ddim_std__none", "method top 0.25": "ddim_std__none__top0.25"}
+    cfgs = {label: study.make_config("full", "jpeg_compressibility", 15, [], axes) for label, axes in study.SUITES["baselines"].items()}
+    assert {c.sample.batch_size * c.sample.batches_per_epoch for c in cfgs.values()} == {32}
+    assert cfgs["dpok"].algorithm.name == "dpok" and cfgs["grpo"].advantage.mode == "group"
+    b2 = cfgs["b2diffurl"]
+    assert (b2.algorithm.name, b2.train.timestep_selection, b2.train.timestep_fraction, b2.sample.samples_per_prompt) == \
+        ("b2diffurl", "backward", 0.7, 4)
+    assert study.identity(cfgs["ddpo"]) == study.identity(study.make_config("full", "jpeg_compressibility", 15, []))

@@ -220,3 +220,23 @@ def test_variance_bench_quick(tmp_path):
     # --reanalyse: the same analysis from the saved file alone (no sampling)
     again = variance.main(["--reanalyse", str(tmp_path / "variance_jpeg_compressibility.json")])
     assert next(iter(again.values()))["analysis"]["step_shares"] == a["step_shares"]
+
+
+def test_probe_noise_is_perfect_for_the_whole_grid_and_worse_for_a_small_probe():
+    """deploy/bench/variance.py probe_noise: a sub-grid that is the whole grid gives r = 1 and no
+    deviation; a small probe of a noisy additive process (step shares known) agrees less on average."""
+    from diffrlhf.deploy.bench.variance import probe_noise
+
+    rng = np.random.default_rng(0)
+    s = np.array([2.0, 1.5, 1.0, 0.5, 0.25, 0.1])
+    p, m, t = 40, 6, len(s)
+    shared = rng.normal(size=(p, 1, 1, t)) * s
+    fresh = rng.normal(size=(p, t, m, t)) * s
+    keep = (np.arange(t)[None, :] < np.arange(t)[:, None])[None, :, None, :]
+    steps = np.where(keep, shared, fresh).sum(-1)
+    grid = np.concatenate([np.zeros((p, 1, m)), steps], axis=1)  # a FRESH level first, as the bench saves it
+    rows = probe_noise(grid, sizes=((p, m), (3, 2), (p + 1, m)), draws=50)
+    assert [(r["P"], r["M"]) for r in rows] == [(p, m), (3, 2)]  # a size beyond the grid is skipped
+    whole, small = rows
+    assert whole["r_mean"] == pytest.approx(1.0) and whole["mean_abs_dev"] == pytest.approx(0.0, abs=1e-12)
+    assert small["r_mean"] < 0.99 and small["mean_abs_dev"] > 0.05 and small["queries"] == 3 * t * 2

@@ -57,8 +57,16 @@ from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.tinyworld import weights as tiny_world_weights
 
-# suite -> {variant label: (weighting.scheme, replay.mode[, train.timestep_selection, train.timestep_fraction])};
-# the first variant is the suite's baseline.
+# Named sets of further overrides a variant can carry as its 5th axis (the other algorithms), each
+# at the same reward-query budget: 32 images an epoch, every branch and group sample scored.
+ALGORITHM_VARIANTS = {
+    "dpok": ("algorithm.name=dpok",),  # KL to the pretrained model, beta = algorithm.kl_coef's default
+    # B2-DiffuRL: 8 prefixes x 4 branches an epoch; the first stage trains the last 70% of the steps (the reference's 14 of 20)
+    "b2diffurl": ("algorithm.name=b2diffurl", "sample.samples_per_prompt=4"),
+    "grpo": ("advantage.mode=group", "sample.samples_per_prompt=4"),  # 8 prompts x 4 samples, advantages within the group
+}
+# suite -> {variant label: (weighting.scheme, replay.mode[, train.timestep_selection, train.timestep_fraction
+# [, an ALGORITHM_VARIANTS name]])}; the first variant is the suite's baseline.
 SUITES = {
     "ablation": {"baseline": ("uniform", "none"), "+weighting": ("latent_sq", "none"),
                  "+hardmine": ("uniform", "hardmine"), "+both": ("latent_sq", "hardmine")},
@@ -72,13 +80,18 @@ SUITES = {
                 "method weighted 0.5": ("ddim_std", "none", "weighted", 0.5),
                 "method weighted 0.25": ("ddim_std", "none", "weighted", 0.25),
                 "method top 0.25": ("ddim_std", "none", "top", 0.25), "method window 0.25": ("ddim_std", "none", "window", 0.25)},
+    # The paper's baselines in this system (issue 21): same rewards, seeds, query budget and accounting.
+    "baselines": {"ddpo": ("uniform", "none"), "dpok": ("uniform", "none", "random", 1.0, "dpok"),
+                  "b2diffurl": ("uniform", "none", "backward", 0.7, "b2diffurl"),
+                  "grpo": ("uniform", "none", "random", 1.0, "grpo"),
+                  "method": ("ddim_std", "none"), "method top 0.25": ("ddim_std", "none", "top", 0.25)},
 }
 DDPO_STEPS = ("random", 1.0)  # DDPO's selection: every step, in random order (today's runs' paths carry no suffix)
 
 
 def full_axes(axes) -> tuple:
-    """(scheme, replay, selection, fraction) of a suite entry of 2 or 4 axes."""
-    return tuple(axes) if len(axes) == 4 else (*axes, *DDPO_STEPS)
+    """(scheme, replay, selection, fraction[, algorithm variant]) of a suite entry of 2, 4 or 5 axes."""
+    return tuple(axes) if len(axes) >= 4 else (*axes, *DDPO_STEPS)
 SMOOTH_WINDOW = 3
 EVAL_SEED_BASE = 987_654_321  # held-out noise seeds: fixed, disjoint from training seeds of small run seeds
 RUN_SIZES = {  # what --size sets (epochs, seeds, held-out samples, config overrides); the command line wins
@@ -189,18 +202,19 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def run_path(out: Path, reward: str, axes: tuple, seed: int) -> Path:
-    scheme, replay, selection, fraction = full_axes(axes)
+    scheme, replay, selection, fraction, *algo = full_axes(axes)
     steps = "" if (selection, fraction) == DDPO_STEPS else f"__{selection}{fraction:g}"
-    return out / "runs" / reward / f"{scheme}__{replay}{steps}" / f"seed{seed}.json"
+    return out / "runs" / reward / f"{scheme}__{replay}{steps}{''.join(f'__{a}' for a in algo)}" / f"seed{seed}.json"
 
 
 def make_config(size: str, reward: str, epochs: int, overrides: list[str], axes=("uniform", "none"), seed: int = 0):
     # The variant's axes and the seed come last: a stray override cannot blur the comparison.
-    scheme, replay, selection, fraction = full_axes(axes)
+    scheme, replay, selection, fraction, *algo = full_axes(axes)
+    extra = [o for a in algo for o in ALGORITHM_VARIANTS[a]]
     return load_config("tiny", overrides=[*RUN_SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
                                           *overrides, f"weighting.scheme={scheme}", f"replay.mode={replay}",
                                           f"train.timestep_selection={selection}", f"train.timestep_fraction={fraction}",
-                                          f"run.seed={seed}"])
+                                          *extra, f"run.seed={seed}"])
 
 
 def identity(cfg) -> dict:
@@ -242,7 +256,7 @@ def heldout_reward(components, negative_embeds, cfg, n: int, version: int = -1) 
     return {"prompts": cfg.prompts.eval, "samples": n, "reward_mean": m, "reward_se": se}
 
 
-def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
+def run_one(cfg, path: Path, eval_samples: int, tag: str, algo: tuple = ()) -> dict:
     evals, seen = {}, [0]
     t0 = time.time()
 
@@ -256,8 +270,8 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str) -> dict:
 
     records = run_reference(cfg, progress=False, on_epoch=on_epoch)
     axes = [cfg.weighting.scheme, cfg.replay.mode]
-    if (cfg.train.timestep_selection, cfg.train.timestep_fraction) != DDPO_STEPS:
-        axes += [cfg.train.timestep_selection, cfg.train.timestep_fraction]
+    if (cfg.train.timestep_selection, cfg.train.timestep_fraction) != DDPO_STEPS or algo:
+        axes += [cfg.train.timestep_selection, cfg.train.timestep_fraction, *algo]
     result = {"seed": cfg.run.seed, "axes": axes, "reward": cfg.reward.spec,
               "config": identity(cfg), "records": records, "eval": evals or None, "wall_s": time.time() - t0, "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +291,7 @@ def get_run(out: Path, size: str, reward: str, epochs: int, overrides, axes, see
     if not run:
         return None
     log("study", f"{tag}: running {epochs} epochs")
-    return run_one(cfg, path, eval_samples, tag)
+    return run_one(cfg, path, eval_samples, tag, tuple(full_axes(axes)[4:]))
 
 
 def base_eval(out: Path, size: str, reward: str, overrides, eval_samples: int, run: bool = True) -> dict | None:
@@ -351,7 +365,7 @@ def table_markdown(summary: dict) -> str:
     if not summary["rows"]:
         return "\n".join(lines + [summary.get("note", ""), ""])
     target = summary["rows"][0].get("target")
-    costs = summary["suite"] == "compute"  # the suite about learner compute shows its other axes
+    costs = summary["suite"] in ("compute", "baselines")  # suites where learner compute differs show its other axes
     lines += [f"Target: the baseline's ({summary['baseline']}) final smoothed seed-mean reward, {target:.4f} "
               f"({summary['smoothing']}). Held-out: mean +- s.e. over seeds"
               + (f"; untrained policy {_pm(summary['base_policy_heldout'])}." if summary.get("base_policy_heldout") else "."), "",
@@ -379,7 +393,7 @@ def table_markdown(summary: dict) -> str:
 def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: str) -> None:
     plt = pyplot()
     xaxes = {"queries": "reward queries"}
-    if summary["suite"] == "compute":
+    if summary["suite"] in ("compute", "baselines"):
         xaxes.update(passes="learner passes (trajectory-steps trained)", wall_s="wall-clock s (this machine, 2 threads)")
     fig, axs = plt.subplots(1, len(xaxes), figsize=(7 * len(xaxes), 4.2), squeeze=False)
     rows = [r for r in summary["rows"] if r.get("seeds")]

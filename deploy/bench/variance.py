@@ -3,6 +3,7 @@
     python -m diffrlhf.deploy.bench.variance [--reward jpeg_compressibility tinyworld_alignment]
         [--trajectories 8] [--branches 4] [--lora runs/<name>/lora/epoch_XXXX] [--ray [--samplers 2]]
         [--quick] [--threads 1] [--out DIR] [key.sub=value ...]
+    python -m diffrlhf.deploy.bench.variance --probe-noise deploy/results/variance/variance_*.json
 
 P trajectories are sampled (prompts drawn from prompts.train, tiny-world-train on the tiny preset)
 and recorded. For each trajectory and each level k the chain is branched M times
@@ -45,7 +46,7 @@ from diffrlhf.actors.workers import SamplerWorker
 from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
 from diffrlhf.deploy.config import load_config
 from diffrlhf.deploy.evaluate import components_of, load_pipeline
-from diffrlhf.learner.weighting import SCHEMES, latent_change, timestep_weights
+from diffrlhf.learner.weighting import SCHEMES as ALL_SCHEMES, latent_change, oracle_profile, timestep_weights
 from diffrlhf.policy.branching import (FRESH, branch_seed, branch_trajectories, conditional_variances, pearson,
                                        per_step_variance, spearman)
 from diffrlhf.policy.prompts import load_prompts
@@ -54,6 +55,9 @@ from diffrlhf.rewards import build_reward
 
 QUICK = dict(trajectories=3, branches=3)
 BOOTSTRAP = 2000
+
+# The schemes compared with the measured variance (`oracle` is that measurement, made into weights).
+SCHEMES = tuple(x for x in ALL_SCHEMES if x != "oracle")
 
 
 def trajectory_seed(seed: int, p: int) -> int:
@@ -318,9 +322,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="default deploy/results/variance (--quick: its quick/ folder)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset or the LoRA's run)")
     ap.add_argument("--reanalyse", nargs="+", metavar="JSON", help="only analyse saved variance_<reward>.json files again")
+    ap.add_argument("--probe-noise", nargs="+", metavar="JSON",
+                    help="how close an `oracle` probe of P x M gets to saved variance_<reward>.json grids (no sampling)")
     args = ap.parse_args(argv)
     if args.reanalyse:
         return {str(f): reanalyse(Path(f)) for f in args.reanalyse}
+    if args.probe_noise:
+        return probe_noise_report([Path(f) for f in args.probe_noise], Path(args.out or "deploy/results/variance"))
     p_count = args.trajectories or (QUICK["trajectories"] if args.quick else 8)
     m = args.branches or (QUICK["branches"] if args.quick else 4)
     if m < 2 or p_count < 1:
@@ -405,6 +413,65 @@ def reanalyse(path: Path) -> dict:
     res["analysis"] = analyse(np.array(res["rewards_grid"]), {k: np.array(v) for k, v in a["latent_change_per_trajectory"].items()},
                               {k: np.array(v) for k, v in a["profiles_mean_one"].items()}, res["setup"]["seed"])
     return report(res, Path(path).parent)
+
+
+# ----------------------------------------------------------------------------- the oracle's probe size
+
+PROBE_SIZES = ((4, 4), (8, 4), (16, 8), (32, 8))  # (P, M) of an `oracle` probe; (4, 4) is the config's default
+
+
+def probe_noise(grid: np.ndarray, sizes=PROBE_SIZES, draws: int = 200, seed: int = 0) -> list[dict]:
+    """How close an `oracle` probe of P trajectories x M branches gets to the profile of the whole grid:
+    draw P of its trajectories and M of its branches (without replacement) `draws` times, take
+    learner/weighting.py oracle_profile of the sub-grid and of the whole (levels 0..T-1), both
+    normalised to mean 1, and report their Pearson r (mean and 5-95% range) and mean |w - w_full|.
+    A sub-grid shares trajectories with the whole, so large P overstates the agreement."""
+    steps = np.asarray(grid, np.float64)[:, 1:, :]  # drop the FRESH level: the probe branches at 0..T-1
+    full = oracle_profile(steps).numpy()
+    full = full / full.mean()
+    rng = np.random.default_rng(seed)
+    rows = []
+    for p, m in sizes:
+        if p > steps.shape[0] or m > steps.shape[2]:
+            continue
+        cors, dev, flat = [], [], 0
+        for _ in range(draws):
+            sub = steps[rng.choice(steps.shape[0], p, replace=False)][:, :, rng.choice(steps.shape[2], m, replace=False)]
+            try:
+                w = oracle_profile(sub).numpy()
+            except ValueError:  # no positive share measured: the probe would stop the run
+                flat += 1
+                continue
+            w = w / w.mean()
+            cors.append(pearson(w, full))
+            dev.append(float(np.abs(w - full).mean()))
+        rows.append({"P": p, "M": m, "queries": p * steps.shape[1] * m, "r_mean": float(np.mean(cors)),
+                     "r_p5": float(np.percentile(cors, 5)), "r_p95": float(np.percentile(cors, 95)),
+                     "mean_abs_dev": float(np.mean(dev)), "flat_probes": flat, "draws": draws})
+    return rows
+
+
+def probe_noise_report(paths: list[Path], out: Path) -> dict:
+    """probe_noise for saved variance_<reward>.json files; writes oracle_probe.md and .json into out."""
+    res = {}
+    lines = ["# The `oracle` weighting's probe size against the measured profile", "",
+             "Sub-grids of the saved measurement (P trajectories x M branches drawn from it, 200 times): Pearson r",
+             "of the probe's profile with the whole grid's, and mean |w - w_full| (weights of mean 1). Queries = P x T x M.", ""]
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        grid = np.array(saved["rewards_grid"])
+        rows = probe_noise(grid)
+        res[saved["reward"]] = {"grid_shape": list(grid.shape), "rows": rows}
+        lines += [f"## {saved['reward']} (whole grid: P = {grid.shape[0]}, M = {grid.shape[2]})", "",
+                  "| P | M | queries | r with the whole grid (5-95%) | mean abs. deviation |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['P']} | {r['M']} | {r['queries']} | {r['r_mean']:.2f} [{r['r_p5']:.2f}, {r['r_p95']:.2f}] | {r['mean_abs_dev']:.2f} |"
+                  for r in rows]
+        lines.append("")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "oracle_probe.json", {"results": res, "machine": machine()})
+    (out / "oracle_probe.md").write_text("\n".join(lines))
+    print("\n".join(lines), flush=True)
+    return res
 
 
 if __name__ == "__main__":
