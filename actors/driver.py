@@ -397,6 +397,7 @@ class Driver:
         ray.get([a.set_timestep_profile.remote(profile) for a in self.learners], timeout=t)
         self.sched.counters["reward_queries"] += queries
         self.sched.counters["reward_queries_total"] += queries
+        self._last_progress = time.time()  # a long probe is progress, not a stall for the idle watch
 
     def _wait(self) -> list:
         """The refs that are ready, in submission order; in slices, so the watchdog speaks and

@@ -7,6 +7,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model's ops are too small for 2 threads to help; on a busy 2-core machine they only
+    wait. A module opts in with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder():
     from diffrlhf.tinyworld.architecture import ensure_tiny_random

@@ -22,12 +22,7 @@ TINY = ["model.name=tiny-random", "model.device=cpu", "sample.resolution=32", "r
 B2 = ["algorithm.name=b2diffurl", "train.timestep_selection=backward", "sample.samples_per_prompt=2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- the schedule

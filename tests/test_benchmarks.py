@@ -273,3 +273,27 @@ def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
     assert base["target"] == pytest.approx(3.0) and base["reach"]["queries"]["baseline"] == 60
     assert drifty["reach"]["queries"]["variant"] is None  # never reaches the target net of its drift
     assert good["seeds"] == [0] and good["reach"]["queries"] == {"baseline": 60.0, "variant": 40.0, "ratio": 1.5}
+
+
+def test_drift_reads_only_the_chosen_variants_of_a_suite(tmp_path):
+    """drift --suite S --only V: the suite's baseline and V, from a study folder that holds no other variant."""
+    from diffrlhf.deploy.bench import drift, study
+
+    def fake(seed, slope):
+        recs = [{"epoch": e, "reward_mean": -1.8 + slope * e + 0.01 * seed, "reward_queries": 32 * (e + 1), "samples": 32,
+                 "learner_passes": 640, "time_epoch": 1.0} for e in range(6)]
+        return {"seed": seed, "records": recs, "eval": {"reward_mean": -1.8 + 5 * slope}}
+
+    for reward, slopes in (("jpeg_compressibility", {"ddpo": 0.01, "method top 0.25": 0.03}),
+                           ("jpeg_compressibility_shuffled", {"ddpo": 0.0, "method top 0.25": 0.01})):
+        for label, slope in slopes.items():
+            for seed in range(3):
+                path = study.run_path(tmp_path, reward, study.SUITES["compute"][label], seed)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(fake(seed, slope)))
+    rows = drift.main(["--study", str(tmp_path), "--suite", "compute", "--only", "method top 0.25"])
+    assert [r["variant"] for r in rows] == ["ddpo", "method top 0.25"]
+    # gain = last 3-epoch mean - epoch 0 = 4 x slope: ddpo 0.04 - 0, top 0.12 - 0.04
+    assert rows[0]["net"][0] == pytest.approx(0.04) and rows[1]["net"][0] == pytest.approx(0.08)
+    with pytest.raises(SystemExit, match="no saved runs for jpeg_compressibility/ddpo random 0.5"):
+        drift.main(["--study", str(tmp_path), "--suite", "compute"])

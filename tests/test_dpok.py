@@ -18,13 +18,7 @@ from diffrlhf.policy.ddim import guided_noise_pred
 from diffrlhf.policy.sampler import sample_trajectories
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are too small for 2 threads to help; on a busy 2-core machine they only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(tiny, settings, n=4, **kw):

@@ -23,12 +23,7 @@ TINY = ["model.name=tiny-random", "model.device=cpu", "sample.resolution=32", "s
         "prompts.train=simple_animals", "weighting.scheme=oracle", "weighting.oracle_trajectories=3", "weighting.oracle_branches=2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def additive_grid(step_std, p=4000, m=6, seed=0):

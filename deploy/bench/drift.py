@@ -3,7 +3,7 @@
     python -m diffrlhf.deploy.bench.study --suite weighting --reward jpeg_compressibility_shuffled \\
         --only uniform latent_sq ddim_std gaussian_early gaussian_mid --seeds 3 --epochs 15 --threads 2
     python -m diffrlhf.deploy.bench.drift [--study deploy/results/study] [--reward jpeg_compressibility]
-        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ... | --suite compute]
+        [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ... | --suite compute [--only ...]]
 
 `jpeg_compressibility_shuffled` gives each image the compressibility of another image of its
 batch: same rewards, same mean (so its logged reward is still the samples' mean compressibility),
@@ -208,8 +208,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--variants", nargs="+", default=["uniform", "latent_sq", "ddim_std", "gaussian_early", "gaussian_mid"], choices=SCHEMES,
                     help="weighting schemes (no replay) run on both rewards")
     ap.add_argument("--suite", choices=sorted(SUITES), help="instead of --variants: every variant of this study suite")
+    ap.add_argument("--only", nargs="+", metavar="VARIANT", help="with --suite: only these of its variants (the suite's "
+                    "baseline stays first: the paired tests are against it)")
     args = ap.parse_args(argv)
     variants = dict(SUITES[args.suite]) if args.suite else {v: (v, "none") for v in args.variants}
+    if args.only:
+        if not args.suite:
+            ap.error("--only needs --suite")
+        unknown = sorted(set(args.only) - set(variants))
+        if unknown:
+            ap.error(f"--only: {', '.join(unknown)} not in suite {args.suite}; its variants: {', '.join(variants)}")
+        first = next(iter(variants))
+        variants = {k: v for k, v in variants.items() if k == first or k in args.only}
     real, control = load_runs(args.study, args.reward, variants), load_runs(args.study, args.control, variants)
     missing = [f"{rw}/{label}" for rw, runs in ((args.reward, real), (args.control, control)) for label, rs in runs.items() if not rs]
     if missing:
