@@ -253,7 +253,7 @@ def test_an_actor_that_cannot_start_shows_its_whole_error(tmp_path):
     d.shutdown()
 
 
-B2_RAY = ("train.epochs=3", "system.max_policy_lag=0", "algorithm.name=b2diffurl", "train.timestep_selection=backward",
+B2_RAY = ("train.epochs=2", "system.max_policy_lag=0", "algorithm.name=b2diffurl", "train.timestep_selection=backward",
           "sample.samples_per_prompt=2", "train.timestep_fraction=0.5", "weighting.scheme=oracle", "weighting.oracle_every=1",
           "weighting.oracle_trajectories=2", "weighting.oracle_branches=2")
 
@@ -262,18 +262,18 @@ def test_two_learners_run_b2diffurl_and_the_oracle_as_the_reference_loop_and_res
     """A learner group of 2 (torch.distributed over gloo), lag 0, running algorithm.name=b2diffurl
     (branch plans to the samplers, branch extremes in the buffer actor, the backward segment) with
     the `oracle` weighting (its probe on the sampler and reward actors before update 0 and after
-    each update, the profile to both ranks). Its checkpoint after epoch 1 resumes with a single
+    each update, the profile to both ranks). Its checkpoint after epoch 0 resumes with a single
     learner (a checkpoint does not depend on N, and holds the profile). All of it gives the
     reference loop's queries (probes included), rewards, losses, kept rows and learner passes.
     (One run for all of this: each Ray run costs its actors' start-up.)"""
     reference = reference_like_actors(cfg_with(*B2_RAY))
     run = tmp_path / "run"
-    d = Driver(cfg_with(*B2_RAY, "system.num_learners=2"), run, progress=False, on_update=stop_after(1))
+    d = Driver(cfg_with(*B2_RAY, "system.num_learners=2"), run, progress=False, on_update=stop_after(0))
     with pytest.raises(Stop):
         d.run()
     first = d.records
     d.shutdown()
-    assert [r["learners"] for r in first] == [2, 2]
+    assert [r["learners"] for r in first] == [2]
     d = Driver(cfg_with(*B2_RAY), run, progress=False, resume=True)
     rest = d.run()
     d.shutdown()
@@ -283,8 +283,8 @@ def test_two_learners_run_b2diffurl_and_the_oracle_as_the_reference_loop_and_res
     for r, ref in zip(records, reference):
         assert (r["samples"], r["samples_trained"], r["learner_passes"]) == (ref["samples"], ref["samples_trained"], ref["learner_passes"])
     assert sum(r["learner_passes"] for r in records) > 0 and records[-1]["learner_passes_total"] == reference[-1]["learner_passes_total"]
-    probe = 2 * 4 * 2  # P x T x M per round: before update 0, after updates 0 and 1
-    assert [r["reward_queries"] for r in records] == [2 * probe + 8, 3 * probe + 16, 3 * probe + 24]
+    probe = 2 * 4 * 2  # P x T x M per round: before update 0 and after it (the checkpoint holds the second profile)
+    assert [r["reward_queries"] for r in records] == [2 * probe + 8, 2 * probe + 16]
 
 
 def test_a_colocated_group_pairs_gpus_and_a_dead_rank_is_named_with_the_resume_command(tmp_path):

@@ -205,6 +205,7 @@ def test_sampler_worker_branch_is_the_policy_function(tiny, tiny_folder, recorde
     assert got.meta == want.meta and got.seeds.tolist() == seeds
 
 
+@pytest.mark.slow  # 12 s: the bench command end to end (opt-in, like the other bench smoke runs); its parts are tested above
 def test_variance_bench_quick(tmp_path):
     res = variance.main(["--quick", "--trajectories", "3", "--branches", "2", "--reward", "jpeg_compressibility",
                          "--out", str(tmp_path)])["jpeg_compressibility"]
