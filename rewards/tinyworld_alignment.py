@@ -46,9 +46,10 @@ palette colour within 80 RGB), made soft:
   not draw texture (its reconstructions score at chance, deploy/results/alignment_check.md), so
   texture is scored only when asked for (`attributes`).
 
-Images of another size are resized to 64 px first. The vocabulary and the renderer's geometry are
-restated here (rewards sits below tinyworld in the layers); tests/test_alignment_reward.py checks
-that they equal tinyworld/scenes.py's.
+Images of another size are resized to 64 px first. The tiny world's vocabulary (palette, shapes,
+textures, backgrounds) is defined here and tinyworld/scenes.py imports it (rewards sits below
+tinyworld in the layers); the renderer's geometry is restated, and tests/test_alignment_reward.py
+checks both against the renderer.
 """
 
 from __future__ import annotations

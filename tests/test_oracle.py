@@ -12,6 +12,7 @@ from diffrlhf.actors import oracle
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
 from diffrlhf.deploy.config import ConfigError, load_config
+from diffrlhf.learner.lora import load_lora_state_dict
 from diffrlhf.learner.update import PolicyLearner
 from diffrlhf.learner.weighting import normalise_mean_one, oracle_profile, timestep_weights
 from diffrlhf.policy.branching import branch_seed, branch_trajectories
@@ -86,8 +87,6 @@ def test_the_probe_counts_its_queries_and_the_learner_trains_with_its_profile(mo
     # the same probe again, by hand, on the policy before update 0 and before update 2
     for round_, state, w in ((0, states[0], used[0]), (2, states[2], used[2])):
         comps, learner = build_policy(cfg)
-        from diffrlhf.learner.lora import load_lora_state_dict
-
         load_lora_state_dict(comps.unet, state)
         settings, server = sampling_settings(cfg), reward_server(cfg)
         prompts, seeds, ids = oracle.probe_plan(cfg, load_prompts(cfg.prompts.train), round_)

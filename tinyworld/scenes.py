@@ -16,32 +16,19 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-RES = 64
-# The corners of the RGB cube: a blend of two of them (a shape's antialiased edge, a blurry
-# sample) is read as one of the two or as neither, never as a third (RESULTS.md, section 2).
-PALETTE = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (240, 220, 40),
-    "magenta": (210, 40, 190),
-    "cyan": (30, 200, 210),
-    "white": (240, 240, 240),
-    "black": (20, 20, 20),
-}
-COLOURS = list(PALETTE)
-SHAPES = ["circle", "square", "triangle", "star"]
-SHAPE_SIZES = ["small", "large"]
+from diffrlhf.rewards.tinyworld_alignment import (BACKGROUNDS, COLOURS, PALETTE, PLURAL, RES, SHAPE_SIZES, SHAPES,  # noqa: F401
+                                                TEXTURES)
+
+# The vocabulary is stated once, in the reward that reads it (rewards sits below tinyworld in the
+# layers, so the renderer imports it from there). Its palette is the corners of the RGB cube: a blend
+# of two of them (a shape's antialiased edge, a blurry sample) is read as one of the two or as
+# neither, never as a third (RESULTS.md, section 2).
 COUNTS = [1, 2]
-TEXTURES = ["plain", "striped", "checkered", "noisy"]
-BACKGROUNDS = COLOURS + ["gradient"]
 # (colour, shape) pairs never drawn in training: one per colour, each shape twice.
 HELDOUT_PAIRS = {
     ("red", "triangle"), ("green", "square"), ("blue", "star"), ("yellow", "circle"),
     ("magenta", "triangle"), ("cyan", "square"), ("white", "star"), ("black", "circle"),
 }
-PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars"}
-
 
 
 @dataclass(frozen=True)
