@@ -19,7 +19,8 @@ import torch
 
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.learner.weighting import oracle_profile
-from diffrlhf.policy.branching import branch_seed
+from diffrlhf.policy.branching import branch_seed, branch_trajectories
+from diffrlhf.policy.sampler import sample_trajectories
 
 
 def probe_rounds(cfg) -> list[int]:
@@ -67,3 +68,14 @@ def measure(cfg, prompt_list: list[str], round_: int, sample, branch_all, score)
                              "rewards dropped): the per-step variance needs every branch; check the reward")
         grid[:, k, :] = np.array([got[i] for i in bids]).reshape(p, m)
     return oracle_profile(grid), grid, p * t * m
+
+
+def local_probe(cfg, prompt_list: list[str], round_: int, components, settings, version: int, negative_embeds, score):
+    """measure() in this process, on the policy `components` holds (the reference loop's probe; and
+    the study's, to recompute what a finished run's probe measured)."""
+    def branch_all(batch, jobs):
+        return [branch_trajectories(components, batch, k, cfg.weighting.oracle_branches, seeds, settings, negative_embeds)
+                for k, seeds in jobs]
+
+    return measure(cfg, prompt_list, round_, lambda pr, se, ids: sample_trajectories(
+        components, pr, se, settings, version, ids, negative_embeds), branch_all, score)

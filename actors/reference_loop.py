@@ -16,8 +16,7 @@ from diffrlhf.actors.settings import (advantage_computer, build_policy, plan_for
                                       train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.policy.branching import branch_trajectories, sample_plan
-from diffrlhf.policy.sampler import sample_trajectories
+from diffrlhf.policy.branching import sample_plan
 from diffrlhf.policy.prompts import load_prompts
 
 
@@ -35,12 +34,8 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
     rounds = oracle.probe_rounds(cfg)
 
     def probe(round_):  # the oracle weighting's measurement, on the policy that samples next
-        def branch_all(batch, jobs):
-            return [branch_trajectories(comps, batch, k, cfg.weighting.oracle_branches, seeds, settings, learner.negative_embeds)
-                    for k, seeds in jobs]
-
-        profile, _, _ = oracle.measure(cfg, prompt_list, round_, lambda pr, se, ids: sample_trajectories(
-            comps, pr, se, settings, learner.version, ids, learner.negative_embeds), branch_all, rewards.score)
+        profile, _, _ = oracle.local_probe(cfg, prompt_list, round_, comps, settings, learner.version, learner.negative_embeds,
+                                           rewards.score)
         learner.set_timestep_profile(profile)
 
     if 0 in rounds:

@@ -119,3 +119,22 @@ def test_probe_settings_are_checked():
         load_config("tiny", overrides=[*TINY, "weighting.oracle_branches=1"])
     with pytest.raises(ConfigError, match="weighting.oracle_trajectories"):
         load_config("tiny", overrides=[*TINY, "weighting.oracle_trajectories=1"])
+
+
+def test_the_study_recomputes_the_profile_a_finished_oracle_run_trained_with(monkeypatch):
+    """deploy/bench/closeness reads a saved study run and recomputes its round-0 probe: the profile must
+    be the one the run's learner was given (same prompts, noise, policy and reward), not a fresh measurement."""
+    from diffrlhf.deploy.bench import closeness, study
+
+    cfg = study.make_config("tiny", "tinyworld_alignment", 1, [], ("oracle", "none"), seed=3)
+    given = []
+    real_set = PolicyLearner.set_timestep_profile
+    monkeypatch.setattr(PolicyLearner, "set_timestep_profile", lambda self, p: (given.append(p.clone()), real_set(self, p))[1])
+    run_reference(cfg, progress=False)
+    saved = {"seed": 3, "axes": ["oracle", "none"], "reward": "tinyworld_alignment", "config": study.identity(cfg)}
+    assert len(given) == 1
+    torch.testing.assert_close(torch.as_tensor(closeness.oracle_probe_profile(saved)), given[0], rtol=0, atol=1e-6)
+    other = study.make_config("tiny", "tinyworld_alignment", 1, [], ("oracle", "none"), seed=4)
+    assert closeness.config_of({**saved, "seed": 4}).run.seed == other.run.seed == 4
+    with pytest.raises(SystemExit, match="overrides the study command did not pass"):  # a run the study did not make
+        closeness.config_of({**saved, "config": study.identity(load_config("tiny", overrides=[*TINY, "train.lr=0.5"]))})

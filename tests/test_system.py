@@ -130,49 +130,40 @@ def stop_after(epoch):
     return hook
 
 
-def test_stop_and_resume_continue_exactly(tmp_path, lag1_run):
-    """Stopped after epoch 0 and again after epoch 1 (epochs sampled with older versions in flight
-    each time), resumed each time: the same run as the uninterrupted one."""
+def test_a_dead_learner_stops_with_a_checkpoint_that_resumes_exactly(tmp_path, lag1_run):
+    """The learner is killed after update 0 (epochs sampled with older versions in flight): the run
+    stops naming the resume command and the checkpoint (1 of 4 epochs done), and resuming from that
+    checkpoint (the CLI's path: `diffrlhf train --resume` loads it and hands it to the driver) gives
+    the same run as the uninterrupted one, to its final LoRA. (The `resume=True` path, which loads
+    the checkpoint itself, is resumed in the two-learner test.)"""
     straight_dir, full, _, _ = lag1_run
     cfg, run = cfg_with(*LAG1), tmp_path / "b"
-    parts = []
-    for stop, resume in ((0, None), (1, "state"), (None, "flag")):
-        state = load_checkpoint(run) if resume == "state" else None
-        d = Driver(cfg, run, progress=False, resume=resume == "flag", resume_state=state,
-                   on_update=stop_after(stop) if stop is not None else None)
-        try:
-            parts.append(d.run())
-        except Stop:
-            parts.append(d.records)
-        finally:
-            d.shutdown()
-        if stop is not None:
-            saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
-            assert saved["counters"]["epochs_done"] == stop + 1 and sorted(saved["versions"]) == [stop, stop + 1]
-    assert [[r["epoch"] for r in p] for p in parts] == [[0], [1], [2, 3]]
-    resumed = [r for p in parts for r in p]
-    for a, b in zip(resumed, full):
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
-    assert resumed[-1]["reward_queries_total"] == full[-1]["reward_queries_total"] == 32  # lost work counted apart
-    assert resumed[-1]["reward_queries_lost"] >= 0 and parts[2][0]["wall_s"] > parts[1][-1]["wall_s"]  # wall time continues
-    a, b = final_lora(straight_dir), final_lora(run)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
-
-def test_dead_learner_stops_with_resumable_checkpoint(tmp_path):
     def kill_learner(driver, epoch):
         if epoch == 0:
             ray.kill(driver.learner)
 
-    cfg = cfg_with("train.epochs=3", "system.max_policy_lag=0")
-    d = Driver(cfg, tmp_path / "run", progress=False, on_update=kill_learner)
-    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*The last checkpoint \(1 of 3 epochs done\).*--resume"):
+    d = Driver(cfg, run, progress=False, on_update=kill_learner)
+    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*The last checkpoint \(1 of 4 epochs done\).*--resume"):
         d.run()
-    assert (tmp_path / "run" / "checkpoint" / "state.pt").exists()
+    first = d.records
     d.shutdown()
+    saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
+    assert saved["counters"]["epochs_done"] == 1 and sorted(saved["versions"]) == [0, 1]
+    d = Driver(cfg, run, progress=False, resume_state=load_checkpoint(run))
+    rest = d.run()
+    d.shutdown()
+    assert [[r["epoch"] for r in p] for p in (first, rest)] == [[0], [1, 2, 3]]
+    resumed = first + rest
+    for a, b in zip(resumed, full):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
+    assert resumed[-1]["reward_queries_total"] == full[-1]["reward_queries_total"] == 32  # lost work counted apart
+    assert resumed[-1]["reward_queries_lost"] >= 0 and rest[0]["wall_s"] > first[-1]["wall_s"]  # wall time continues
+    a, b = final_lora(straight_dir), final_lora(run)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
 
 def learner_dying_in_checkpoint():

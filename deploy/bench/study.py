@@ -11,6 +11,8 @@ Suites (every variant has the same hyperparameters except the named axis):
   compute    DDPO (all steps), DDPO random 0.5, and the method (ddim_std weighting, the weighting
              suite's best) at all steps, with hard-mining, and training a share of the steps:
              weighted 0.5 / 0.25, top 0.25, window 0.25 (train.timestep_selection / _fraction)
+  baselines  DDPO, DPOK, B2-DiffuRL, GRPO beside the method (all steps, and top 0.25)
+  evidence   DDPO, latent_sq, ddim_std, oracle, hard-mining, random replay, ddim_std + hard-mining
 
 Each (reward, variant, seed) runs the single-process reference loop (fastest on a few cores) and
 is saved to <out>/runs/<reward>/<scheme>__<replay>[__<selection><fraction>]/seed<k>.json (the
@@ -85,6 +87,12 @@ SUITES = {
                   "b2diffurl": ("uniform", "none", "backward", 0.7, "b2diffurl"),
                   "grpo": ("uniform", "none", "random", 1.0, "grpo"),
                   "method": ("ddim_std", "none"), "method top 0.25": ("ddim_std", "none", "top", 0.25)},
+    # Issue 20's study, for a reward where the ablation and weighting suites have not run (the alignment
+    # reward): DDPO, the proxies with the most evidence, the measured-variance oracle (its probe's queries
+    # counted), hard-mining against random replay, and the method with hard-mining.
+    "evidence": {"ddpo": ("uniform", "none"), "latent_sq": ("latent_sq", "none"), "ddim_std": ("ddim_std", "none"),
+                 "oracle": ("oracle", "none"), "hardmine": ("uniform", "hardmine"), "random replay": ("uniform", "random"),
+                 "ddim_std+hardmine": ("ddim_std", "hardmine")},
 }
 DDPO_STEPS = ("random", 1.0)  # DDPO's selection: every step, in random order (today's runs' paths carry no suffix)
 
@@ -424,7 +432,8 @@ def plot_suite(summary: dict, runs: dict[str, list[dict]], path: Path, ylabel: s
 
 
 YLABEL = {"jpeg_compressibility": "JPEG compressibility (-kB)", "jpeg_incompressibility": "JPEG size (kB)",
-          "jpeg_compressibility_shuffled": "JPEG compressibility (-kB), reward shuffled"}
+          "jpeg_compressibility_shuffled": "JPEG compressibility (-kB), reward shuffled",
+          "tinyworld_alignment": "caption alignment (0-1)", "tinyworld_alignment_shuffled": "caption alignment (0-1), reward shuffled"}
 
 
 def report(out: Path, suite: str, reward: str, runs: dict, base) -> dict:
