@@ -44,7 +44,7 @@ def check_run_inputs(cfg) -> list[str]:
         resolve_model(cfg.model.name)
     except ModelNotFoundError as e:
         raise ModelInputError(f"model.name={cfg.model.name}: {e}") from None
-    warnings += replay_warnings(cfg)
+    warnings += replay_warnings(cfg) + tracker_warnings(cfg, len(prompt_lists["prompts.train"]))
     for key, prompts in prompt_lists.items():
         warnings += long_prompt_warnings(key, prompts)
     return warnings
@@ -94,6 +94,20 @@ def replay_warnings(cfg) -> list[str]:
     return [f"replay.k={r.k} is more than the replay window holds (replay.max_epochs x sample.batch_size x "
             f"sample.batches_per_epoch = {r.max_epochs} x {s.batch_size} x {s.batches_per_epoch} = {window}): "
             f"at most {window} trajectories are replayed per update. Lower replay.k or raise replay.max_epochs."]
+
+
+def tracker_warnings(cfg, num_prompts: int) -> list[str]:
+    """DDPO's per-prompt tracker normalises by a prompt's own history only once it holds
+    advantage.min_count rewards; a run that never gets there trains on batch statistics throughout."""
+    a = cfg.advantage
+    per_prompt = cfg.train.epochs * cfg.samples_per_epoch() / max(num_prompts, 1)
+    if a.mode != "per_prompt" or per_prompt >= a.min_count:
+        return []
+    return [f"advantage.mode=per_prompt: {cfg.samples_per_epoch()} samples an epoch over the {num_prompts} prompts of "
+            f"prompts.train give a prompt about {per_prompt:.1f} rewards in {cfg.train.epochs} epochs, fewer than "
+            f"advantage.min_count={a.min_count}: the run normalises by the batch's mean and std throughout (DDPO's "
+            "fallback), and on a prompt-dependent reward those advantages mostly rank prompts, not samples "
+            "(RESULTS.md 14). Use advantage.mode=group with sample.samples_per_prompt >= 2, or a lower advantage.min_count."]
 
 
 def long_prompts(prompts: list[str]) -> list[str]:

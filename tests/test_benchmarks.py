@@ -297,3 +297,8 @@ def test_drift_reads_only_the_chosen_variants_of_a_suite(tmp_path):
     assert rows[0]["net"][0] == pytest.approx(0.04) and rows[1]["net"][0] == pytest.approx(0.08)
     with pytest.raises(SystemExit, match="no saved runs for jpeg_compressibility/ddpo random 0.5"):
         drift.main(["--study", str(tmp_path), "--suite", "compute"])
+    # --baseline: the paired test against another variant (its own files)
+    rows = drift.main(["--study", str(tmp_path), "--suite", "compute", "--only", "method top 0.25", "--baseline", "method top 0.25"])
+    assert [r["variant"] for r in rows] == ["method top 0.25", "ddpo"]
+    assert rows[1]["vs_baseline"]["mean"] == pytest.approx(-0.04) and rows[1]["vs_baseline"]["above"] == 0
+    assert (tmp_path / "drift_compute_jpeg_compressibility_vs_method_top_0_25.md").exists()

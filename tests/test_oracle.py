@@ -136,5 +136,8 @@ def test_the_study_recomputes_the_profile_a_finished_oracle_run_trained_with(mon
     torch.testing.assert_close(torch.as_tensor(closeness.oracle_probe_profile(saved)), given[0], rtol=0, atol=1e-6)
     other = study.make_config("tiny", "tinyworld_alignment", 1, [], ("oracle", "none"), seed=4)
     assert closeness.config_of({**saved, "seed": 4}).run.seed == other.run.seed == 4
-    with pytest.raises(SystemExit, match="overrides the study command did not pass"):  # a run the study did not make
+    with pytest.raises(SystemExit, match="other config overrides than these"):  # a run the study did not make
         closeness.config_of({**saved, "config": study.identity(load_config("tiny", overrides=[*TINY, "train.lr=0.5"]))})
+    group = ["advantage.mode=group", "sample.samples_per_prompt=2"]  # a study made with overrides: recomputed with them
+    grouped = study.make_config("tiny", "tinyworld_alignment", 1, group, ("oracle", "none"), seed=3)
+    assert closeness.config_of({**saved, "config": study.identity(grouped)}, group).advantage.mode == "group"

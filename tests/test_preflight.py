@@ -83,6 +83,19 @@ def test_replay_k_above_the_window_is_warned(no_start):
     assert not [w for w in check_run_inputs(none) if "replay.k" in w]  # no replay, nothing capped
 
 
+def test_a_per_prompt_tracker_that_never_fills_is_warned(no_start):
+    # tiny: 48 training captions, 8 x 4 = 32 samples an epoch: 15 epochs give a caption 10 rewards, under min_count 16
+    def tracker(*extra):
+        return [w for w in check_run_inputs(load_config("tiny", overrides=["sample.batch_size=8", "sample.batches_per_epoch=4",
+                                                                            *extra])) if "advantage.min_count" in w]
+
+    [w] = tracker("train.epochs=15")
+    assert "48 prompts" in w and "about 10.0 rewards in 15 epochs" in w and "advantage.mode=group" in w
+    assert tracker("train.epochs=24") == []  # 24 x 32 / 48 = 16: the tracker fills
+    assert tracker("train.epochs=15", "advantage.min_count=10") == []
+    assert tracker("train.epochs=15", "advantage.mode=group", "sample.samples_per_prompt=4") == []
+
+
 def test_long_prompts_are_counted_in_clip_tokens(no_start):
     # "a" is one CLIP token: 75 of them plus start and end fill the 77 slots exactly.
     fits, over = " ".join(["a"] * 75), " ".join(["a"] * 76)

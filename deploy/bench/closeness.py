@@ -2,6 +2,7 @@
 
     python -m diffrlhf.deploy.bench.closeness --reward tinyworld_alignment --suite evidence
         [--study deploy/results/study] [--variance deploy/results/variance/variance_<reward>.json] [--threads 1]
+        [the study's overrides, key.sub=value ...]
 
 For each weighting variant of the suite (weights only: no replay, DDPO's steps) with runs on the
 reward and on its shuffled control (`<reward>_shuffled`), two numbers:
@@ -41,26 +42,26 @@ def weighting_variants(suite: str) -> dict[str, tuple]:
             if full_axes(ax)[1] == "none" and tuple(full_axes(ax)[2:4]) == DDPO_STEPS and len(full_axes(ax)) == 4}
 
 
-def config_of(run: dict):
-    """The config a saved study run was made with (the study's sizes, no extra overrides), or stop."""
+def config_of(run: dict, overrides: list[str] = ()):
+    """The config a saved study run was made with (one of the study's sizes and these overrides), or stop."""
     for size in RUN_SIZES:
-        cfg = make_config(size, run["reward"], run["config"]["train"]["epochs"], [], tuple(run["axes"]), run["seed"])
+        cfg = make_config(size, run["reward"], run["config"]["train"]["epochs"], list(overrides), tuple(run["axes"]), run["seed"])
         try:
             check_reusable(Path(f"seed{run['seed']}"), run, cfg)
             return cfg
         except SystemExit:
             continue
     raise SystemExit(f"closeness: the {run['reward']} run {'+'.join(map(str, run['axes']))} seed {run['seed']} was made with "
-                     "config overrides the study command did not pass; its probe cannot be recomputed here")
+                     "other config overrides than these (pass the study's overrides); its probe cannot be recomputed here")
 
 
-def oracle_probe_profile(run: dict) -> np.ndarray:
+def oracle_probe_profile(run: dict, overrides: list[str] = ()) -> np.ndarray:
     """The w(t) a finished `oracle` run trained with (its round-0 probe, recomputed; needs oracle_every = 0)."""
     c = run["config"]
     if c["weighting"]["oracle_every"]:
         raise SystemExit("closeness: this oracle run re-probed during training (weighting.oracle_every > 0); only its "
                          "first profile could be recomputed here")
-    cfg = config_of(run)
+    cfg = config_of(run, overrides)
     torch.manual_seed(cfg.run.seed)  # as the reference loop does before building the policy
     comps, learner = build_policy(cfg)
     profile, _, _ = oracle.local_probe(cfg, load_prompts(cfg.prompts.train), 0, comps, sampling_settings(cfg), learner.version,
@@ -160,6 +161,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--study", type=Path, default=Path("deploy/results/study"))
     ap.add_argument("--variance", type=Path, help="default: deploy/results/variance/variance_<reward>.json")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("overrides", nargs="*", help="the study's config overrides (key.sub=value), to recompute oracle probes")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,7 +178,7 @@ def main(argv=None) -> dict:
         if full_axes(ax)[0] == "oracle":
             for run in real[label]:
                 log("closeness", f"recomputing the oracle probe of seed {run['seed']}")
-                profiles[run["seed"]] = oracle_probe_profile(run)
+                profiles[run["seed"]] = oracle_probe_profile(run, args.overrides)
     res = analyse(real, control, variants, variance, profiles)
     stem = args.study / f"closeness_{args.reward}"
     write_json(stem.with_suffix(".json"), res)

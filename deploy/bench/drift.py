@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--suite", choices=sorted(SUITES), help="instead of --variants: every variant of this study suite")
     ap.add_argument("--only", nargs="+", metavar="VARIANT", help="with --suite: only these of its variants (the suite's "
                     "baseline stays first: the paired tests are against it)")
+    ap.add_argument("--baseline", metavar="VARIANT", help="pair the others against this variant instead of the first "
+                    "(e.g. ddim_std, to ask whether hard-mining adds to it); the files get _vs_<variant>")
     args = ap.parse_args(argv)
     variants = dict(SUITES[args.suite]) if args.suite else {v: (v, "none") for v in args.variants}
     if args.only:
@@ -220,6 +223,10 @@ def main(argv=None) -> list[dict]:
             ap.error(f"--only: {', '.join(unknown)} not in suite {args.suite}; its variants: {', '.join(variants)}")
         first = next(iter(variants))
         variants = {k: v for k, v in variants.items() if k == first or k in args.only}
+    if args.baseline:
+        if args.baseline not in variants:
+            ap.error(f"--baseline: {args.baseline} is not among the variants ({', '.join(variants)})")
+        variants = {args.baseline: variants[args.baseline], **{k: v for k, v in variants.items() if k != args.baseline}}
     real, control = load_runs(args.study, args.reward, variants), load_runs(args.study, args.control, variants)
     missing = [f"{rw}/{label}" for rw, runs in ((args.reward, real), (args.control, control)) for label, rs in runs.items() if not rs]
     if missing:
@@ -229,6 +236,8 @@ def main(argv=None) -> list[dict]:
     rows = drift_rows(real, control, untrained)
     reach = net_cost_rows(real, control)
     stem = args.study / (f"drift_{args.suite}_{args.reward}" if args.suite else f"drift_{args.reward}")
+    if args.baseline:
+        stem = stem.with_name(f"{stem.name}_vs_{re.sub(r'[^A-Za-z0-9]+', '_', args.baseline)}")  # no dots: the suffix stays .md
     write_json(stem.with_suffix(".json"), {"reward": args.reward, "control": args.control, "untrained_heldout": untrained, "rows": rows,
                                            "net_cost_to_reach": reach})
     text = table_markdown(args.reward, args.control, rows) + net_cost_markdown(reach)
