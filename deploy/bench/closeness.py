@@ -137,10 +137,10 @@ def plot(res: dict, path: Path) -> None:
     for i in res["rows"]:
         if i in flat:
             continue
-        ax.errorbar(i["r"], i["net"][0], yerr=i["net"][1] or 0, fmt="o", capsize=3, label=i["variant"])
-        if i.get("r_per_seed"):
-            ax.scatter(list(i["r_per_seed"].values()), [i["per_seed_net"][s] for s in i["r_per_seed"]], s=12, marker="x",
-                       label=f"{i['variant']}, per seed")
+        bar = ax.errorbar(i["r"], i["net"][0], yerr=i["net"][1] or 0, fmt="o", capsize=3, label=i["variant"])
+        if i.get("r_per_seed"):  # in the mean's colour
+            ax.scatter(list(i["r_per_seed"].values()), [i["per_seed_net"][s] for s in i["r_per_seed"]], s=14, marker="x",
+                       color=bar[0].get_color(), label=f"{i['variant']}, per seed")
     for i in flat:  # uniform: no correlation to place it at; a line at its net gain
         ax.axhline(i["net"][0], color="grey", ls=":", lw=1)
         ax.text(ax.get_xlim()[0], i["net"][0], f" {i['variant']} (flat w, no r)", fontsize=7, va="bottom")
