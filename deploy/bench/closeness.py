@@ -30,7 +30,7 @@ import torch
 from diffrlhf.actors import oracle
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
 from diffrlhf.deploy.bench.common import log, pyplot, write_json
-from diffrlhf.deploy.bench.drift import drift_rows, load_runs
+from diffrlhf.deploy.bench.drift import _signed_pm as _pm, drift_rows, load_runs
 from diffrlhf.deploy.bench.study import DDPO_STEPS, RUN_SIZES, SUITES, check_reusable, full_axes, make_config
 from diffrlhf.policy.branching import pearson, spearman
 from diffrlhf.policy.prompts import load_prompts
@@ -99,10 +99,6 @@ def analyse(real: dict, control: dict, variants: dict, variance: dict, oracle_pr
         x, y = [orc["r_per_seed"][k] for k in s], [orc["per_seed_net"][k] for k in s]
         res["oracle_across_seeds"] = {"n": len(s), "pearson": pearson(x, y), "spearman": spearman(x, y)}
     return res
-
-
-def _pm(v) -> str:
-    return "-" if v is None else (f"{v[0]:+.3f}" if v[1] is None else f"{v[0]:+.3f} ± {v[1]:.3f}")
 
 
 def table_markdown(res: dict) -> str:
