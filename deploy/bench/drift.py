@@ -173,20 +173,26 @@ def _paired(t: dict) -> str:
 
 def plot(real: dict, control: dict, path: Path, reward: str, control_name: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    many = len(real) > 5  # one legend entry per variant, outside the axes, so the curves stay visible
+    fig, ax = plt.subplots(figsize=(9, 4.6) if many else (7, 4.2))
     for label, rs in real.items():
         color = None
         for runs, style, tag in ((rs, "-", reward), (control.get(label, []), "--", control_name)):
             if not runs:
                 continue
             q, y = seed_matrix(runs)
-            line, = ax.plot(q, np.array([smooth(v) for v in y]).mean(0), style, color=color, label=f"{label}, {tag}")
+            name = label if many else f"{label}, {tag}"
+            line, = ax.plot(q, np.array([smooth(v) for v in y]).mean(0), style, color=color,
+                            label=name if (style == "-" or not many) else None)
             color = line.get_color()
     ax.set_xlabel("reward queries")
     ax.set_ylabel(YLABEL.get(reward, reward))
     ax.set_title("solid: the reward; dashed: the same runs with the reward shuffled (no information)\n"
                  "seed-mean of the 3-epoch trailing average", fontsize=8)
-    ax.legend(fontsize=7)
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="solid: reward, dashed: control", title_fontsize=7)
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -12,7 +12,7 @@ Suites (every variant has the same hyperparameters except the named axis):
              suite's best) at all steps, with hard-mining, and training a share of the steps:
              weighted 0.5 / 0.25, top 0.25, window 0.25 (train.timestep_selection / _fraction)
   baselines  DDPO, DPOK, B2-DiffuRL, GRPO beside the method (all steps, and top 0.25)
-  evidence   DDPO, latent_sq, ddim_std, oracle, hard-mining, random replay, ddim_std + hard-mining
+  evidence   DDPO, every weighting scheme (oracle included), hard-mining, random replay, ddim_std + hard-mining
 
 Each (reward, variant, seed) runs the single-process reference loop (fastest on a few cores) and
 is saved to <out>/runs/<reward>/<scheme>__<replay>[__<selection><fraction>]/seed<k>.json (the
@@ -88,9 +88,11 @@ SUITES = {
                   "grpo": ("uniform", "none", "random", 1.0, "grpo"),
                   "method": ("ddim_std", "none"), "method top 0.25": ("ddim_std", "none", "top", 0.25)},
     # Issue 20's study, for a reward where the ablation and weighting suites have not run (the alignment
-    # reward): DDPO, the proxies with the most evidence, the measured-variance oracle (its probe's queries
-    # counted), hard-mining against random replay, and the method with hard-mining.
-    "evidence": {"ddpo": ("uniform", "none"), "latent_sq": ("latent_sq", "none"), "ddim_std": ("ddim_std", "none"),
+    # reward): DDPO, every weighting scheme, the measured-variance oracle (its probe's queries counted),
+    # hard-mining against random replay, and the method with hard-mining.
+    "evidence": {"ddpo": ("uniform", "none"), "latent_sq": ("latent_sq", "none"), "latent_abs": ("latent_abs", "none"),
+                 "ddim_std": ("ddim_std", "none"), "gaussian_early": ("gaussian_early", "none"),
+                 "gaussian_mid": ("gaussian_mid", "none"), "gaussian_late": ("gaussian_late", "none"),
                  "oracle": ("oracle", "none"), "hardmine": ("uniform", "hardmine"), "random replay": ("uniform", "random"),
                  "ddim_std+hardmine": ("ddim_std", "hardmine")},
 }
