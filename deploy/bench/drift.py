@@ -181,9 +181,8 @@ def plot(real: dict, control: dict, path: Path, reward: str, control_name: str) 
             if not runs:
                 continue
             q, y = seed_matrix(runs)
-            name = label if many else f"{label}, {tag}"
-            line, = ax.plot(q, np.array([smooth(v) for v in y]).mean(0), style, color=color,
-                            label=name if (style == "-" or not many) else None)
+            name = f"{label}, {tag}" if not many else (label if style == "-" else None)
+            line, = ax.plot(q, np.array([smooth(v) for v in y]).mean(0), style, color=color, label=name)
             color = line.get_color()
     ax.set_xlabel("reward queries")
     ax.set_ylabel(YLABEL.get(reward, reward))
