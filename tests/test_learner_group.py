@@ -71,7 +71,9 @@ def test_two_learners_make_the_single_learners_update(tiny, tiny_folder, tmp_pat
     torch.save(single.state_dict(), tmp_path / "single_state.pt")
     before = {n: t.clone() for n, t in single.lora_state().items()}
     ref = single.update(TrajectoryBatch.load(tmp_path / "batch.arrow"))
-    mp.spawn(_rank, args=(2, free_port(), str(tiny_folder), str(tmp_path)), nprocs=2, join=True)
+    # fork, not spawn: the ranks inherit this process's imports (a fresh interpreter spends ~8 s
+    # of a 2-core machine importing diffusers); each rank sets 1 torch thread before any op.
+    mp.start_processes(_rank, args=(2, free_port(), str(tiny_folder), str(tmp_path)), nprocs=2, join=True, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == list(range(7))  # every row trained once, by one rank
     moved = max((ref_t - before[n]).abs().max().item() for n, ref_t in single.lora_state().items())

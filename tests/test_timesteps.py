@@ -105,7 +105,7 @@ def test_weighted_selection_is_unbiased_for_the_all_steps_gradient(tiny, small_s
     # A draw's gradient is sum_{b,i} M[b, i] g[b, i] with M[b, i] = coef / (B k) where (b, i) was
     # drawn: draw the M's, and follow the gradient along 24 random directions (cheap, and as exacting).
     proj = g @ torch.randn(g.shape[-1], 24, generator=torch.Generator().manual_seed(4), dtype=torch.float64)  # [B, T, 24]
-    b, k, n = len(batch), 2, 20_000
+    b, k, n = len(batch), 2, 4_000  # at this n the uncorrected mean is ~70 s.e. off (measured), the corrected one ~2
     gen = torch.Generator().manual_seed(0)
     m_est, m_raw = torch.zeros(n, b, batch.num_steps, dtype=torch.float64), torch.zeros(n, b, batch.num_steps, dtype=torch.float64)
     for d in range(n):

@@ -464,8 +464,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--report-only", action="store_true", help="only tabulate and plot the runs already saved")
     ap.add_argument("--out", help="default deploy/results/study")
     ap.add_argument("--only", nargs="+", metavar="VARIANT",
-                    help="run and report only these variants of the suites (labels as in their tables, e.g. uniform ddim_std); "
-                         "the others show as 0 seeds")
+                    help="run only these variants of the suites (labels as in their tables, e.g. uniform ddim_std); "
+                         "the report still shows every variant, the others from their saved runs (0 seeds if none)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset)")
     args = ap.parse_args(argv)
     d = RUN_SIZES[args.size]
@@ -483,6 +483,10 @@ def main(argv=None) -> dict:
             ap.error(f"--only: {', '.join(unknown)} not in suite(s) {', '.join(args.suite)}; their variants: {', '.join(chosen)}")
         chosen = {label: ax for label, ax in chosen.items() if label in args.only}
     axes_list = list(dict.fromkeys(full_axes(ax) for ax in chosen.values()))
+    # --only runs a part of a suite, but its report stays whole: the other variants come from
+    # their saved runs, every seed saved, so a seed-by-seed loop over a few variants never
+    # shrinks the committed table to those few.
+    reported = list(dict.fromkeys(full_axes(ax) for s in args.suite for ax in SUITES[s].values()))
     log("study", f"{len(args.reward)} reward(s) x {len(axes_list)} variants x {n_seeds} seeds x {epochs} epochs -> {out}")
     summaries = {}
     for reward in args.reward:
@@ -493,6 +497,13 @@ def main(argv=None) -> dict:
                 r = get_run(out, args.size, reward, epochs, args.overrides, axes, seed, n_eval, run=not args.report_only)
                 if r is not None:
                     done.setdefault(axes, []).append(r)
+        for axes in reported:
+            if axes in axes_list:
+                continue
+            seed = 0
+            while (r := get_run(out, args.size, reward, epochs, args.overrides, axes, seed, n_eval, run=False)) is not None:
+                done.setdefault(axes, []).append(r)
+                seed += 1
         for suite in args.suite:
             runs = {label: done.get(full_axes(axes), []) for label, axes in SUITES[suite].items()}
             summaries[f"{suite}_{reward}"] = report(out, suite, reward, runs, base)
