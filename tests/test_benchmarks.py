@@ -303,3 +303,26 @@ def test_drift_reads_only_the_chosen_variants_of_a_suite(tmp_path):
     assert [r["variant"] for r in rows] == ["method top 0.25", "ddpo"]
     assert rows[1]["vs_baseline"]["mean"] == pytest.approx(-0.04) and rows[1]["vs_baseline"]["above"] == 0
     assert (tmp_path / "drift_compute_jpeg_compressibility_vs_method_top_0_25.md").exists()
+
+
+def test_drift_plot_gives_each_of_many_variants_its_own_colour_and_its_control_the_same(tmp_path, monkeypatch):
+    """Past the default cycle's 10 colours (the evidence suite has 11 variants) no two variants share a colour."""
+    from matplotlib.colors import to_rgba
+
+    from diffrlhf.deploy.bench import drift
+
+    plt = drift.pyplot()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its lines
+
+    def run(seed, slope):
+        return {"seed": seed, "records": [{"reward_queries": 8 * (e + 1), "reward_mean": slope * e} for e in range(4)]}
+
+    real = {f"v{i}": [run(0, 0.1 * i)] for i in range(11)}
+    drift.plot(real, {k: [run(0, 0.0)] for k in real}, tmp_path / "drift.png", "jpeg_compressibility", "control")
+    lines = figures[0].axes[0].get_lines()
+    solid = [to_rgba(x.get_color()) for x in lines if x.get_linestyle() == "-"]
+    dashed = [to_rgba(x.get_color()) for x in lines if x.get_linestyle() == "--"]
+    assert len(solid) == 11 and len(set(solid)) == 11
+    assert dashed == solid  # each control drawn in its variant's colour
+    assert (tmp_path / "drift.png").stat().st_size > 0

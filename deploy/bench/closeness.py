@@ -157,6 +157,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--study", type=Path, default=Path("deploy/results/study"))
     ap.add_argument("--variance", type=Path, help="default: deploy/results/variance/variance_<reward>.json")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--name", help="the result files' stem in the study folder (default closeness_<reward>); e.g. a second "
+                                   "read against another --variance measurement")
     ap.add_argument("overrides", nargs="*", help="the study's config overrides (key.sub=value), to recompute oracle probes")
     args = ap.parse_args(argv)
     if args.threads:
@@ -176,7 +178,7 @@ def main(argv=None) -> dict:
                 log("closeness", f"recomputing the oracle probe of seed {run['seed']}")
                 profiles[run["seed"]] = oracle_probe_profile(run, args.overrides)
     res = analyse(real, control, variants, variance, profiles)
-    stem = args.study / f"closeness_{args.reward}"
+    stem = args.study / (args.name or f"closeness_{args.reward}")
     write_json(stem.with_suffix(".json"), res)
     text = table_markdown(res)
     stem.with_suffix(".md").write_text(text)

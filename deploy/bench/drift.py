@@ -175,8 +175,11 @@ def plot(real: dict, control: dict, path: Path, reward: str, control_name: str) 
     plt = pyplot()
     many = len(real) > 5  # one legend entry per variant, outside the axes, so the curves stay visible
     fig, ax = plt.subplots(figsize=(9, 4.6) if many else (7, 4.2))
-    for label, rs in real.items():
-        color = None
+    # Past the default cycle's 10 colours two variants would share one: tab20's 10 hues, then their light shades.
+    tab20 = plt.get_cmap("tab20").colors
+    palette = [tab20[i] for i in (*range(0, 20, 2), *range(1, 20, 2))] if len(real) > 10 else None
+    for i, (label, rs) in enumerate(real.items()):
+        color = palette[i % len(palette)] if palette else None
         for runs, style, tag in ((rs, "-", reward), (control.get(label, []), "--", control_name)):
             if not runs:
                 continue
