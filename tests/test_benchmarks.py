@@ -326,3 +326,47 @@ def test_drift_plot_gives_each_of_many_variants_its_own_colour_and_its_control_t
     assert len(solid) == 11 and len(set(solid)) == 11
     assert dashed == solid  # each control drawn in its variant's colour
     assert (tmp_path / "drift.png").stat().st_size > 0
+
+
+def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(tmp_path, capsys):
+    """Two settings made with drift from fake runs: a variant separated and >= 3x in one setting only
+    passes neither all-settings test; one not run in a setting is 'not run' there and fails both."""
+    from diffrlhf.deploy.bench import drift, evidence_table, study
+
+    def fake(seed, slope):  # each seed learns a little faster than the last, so the paired differences vary
+        recs = [{"epoch": e, "reward_mean": -1.8 + slope * (1 + 0.1 * seed) * e, "reward_queries": 32 * (e + 1), "samples": 32,
+                 "learner_passes": 640, "time_epoch": 1.0} for e in range(9)]
+        return {"seed": seed, "records": recs, "eval": {"reward_mean": -1.8 + 5 * slope * (1 + 0.1 * seed)}}
+
+    settings = {"s1": {"ddpo": 0.01, "method top 0.25": 0.2, "method window 0.25": 0.2},
+                "s2": {"ddpo": 0.01, "method top 0.25": 0.005}}
+    files = []
+    for name, slopes in settings.items():
+        for reward, scale in (("jpeg_compressibility", 1.0), ("jpeg_compressibility_shuffled", 0.0)):
+            for label, slope in slopes.items():
+                for seed in range(4):
+                    path = study.run_path(tmp_path / name, reward, study.SUITES["compute"][label], seed)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(fake(seed, slope * scale)))
+        drift.main(["--study", str(tmp_path / name), "--suite", "compute", "--only", *list(slopes)[1:]])
+        files.append(f"{name} setting=" + str(tmp_path / name / "drift_compute_jpeg_compressibility.json"))
+    capsys.readouterr()
+    rows = evidence_table.main(["--drift", *files, "--out", str(tmp_path / "summary")])
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["ddpo", "method top 0.25", "method window 0.25"] and "fold_on_all" not in by["ddpo"]
+    top = by["method top 0.25"]["per_file"]
+    # s1: ddpo's smoothed net ends at 0.01 x 7 (x 1.15 mean over seeds); top's is 0.1 x 1.15 after epoch 1: 64 of 288 queries
+    assert top["s1 setting"]["query_ratio"] == pytest.approx(4.5) and evidence_table.separated(top["s1 setting"], 0.05)
+    assert top["s2 setting"]["query_ratio"] == 0.0 and not evidence_table.separated(top["s2 setting"], 0.05)  # not reached, behind
+    assert by["method top 0.25"]["fold_on_all"] is False and by["method top 0.25"]["separated_on_all"] is False
+    assert by["method window 0.25"]["per_file"]["s2 setting"] is None
+    assert by["method window 0.25"]["fold_on_all"] is None and by["method window 0.25"]["separated_on_all"] is None  # not run is not failed
+    text = (tmp_path / "summary.md").read_text()
+    (_, top1, _) = evidence_table.main(["--drift", files[0], "--out", str(tmp_path / "one")])
+    assert top1["fold_on_all"] is True and top1["separated_on_all"] is True  # s1 alone: both tests pass
+    assert "| **yes** |" in (tmp_path / "one.md").read_text()
+    assert "| method window 0.25 | +" in text and "not run in every setting" in text and "not reached" in text
+    with pytest.raises(SystemExit, match="does not exist"):
+        evidence_table.main(["--drift", f"x={tmp_path / 'nope.json'}", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        evidence_table.main(["--drift", "no-label-here.json", "--out", str(tmp_path / "o")])
