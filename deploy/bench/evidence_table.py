@@ -119,18 +119,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--alpha", type=float, default=0.05, help="p below which a paired difference counts as separated")
     ap.add_argument("--fold", type=float, default=3.0, help="the fewer-queries bar (the issue's 3x)")
     args = ap.parse_args(argv)
-    files = {}
+    files, paths = {}, {}
     for spec in args.drift:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             ap.error(f"--drift {spec!r}: expected LABEL=PATH, e.g. 'JPEG, 15 epochs=deploy/results/study/drift_evidence_jpeg_compressibility.json'")
         if label in files:
             ap.error(f"--drift: the label {label!r} is given twice")
-        files[label] = load_drift(Path(path))
+        files[label], paths[label] = load_drift(Path(path)), path
     rows = summarise(files, args.alpha, args.fold)
     text = markdown(files, rows, args.alpha, args.fold)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out.with_suffix(".json"), {"files": {k: str(v) for k, v in zip(files, [s.partition("=")[2] for s in args.drift])},
+    write_json(args.out.with_suffix(".json"), {"files": paths,
                                                "alpha": args.alpha, "fold": args.fold, "rows": rows})
     args.out.with_suffix(".md").write_text(text)
     print(text)
