@@ -256,7 +256,19 @@ def test_drift_compares_each_variant_to_the_baseline_paired_by_seed():
     assert "vs_baseline" not in base
     t = v["vs_baseline"]
     assert t["n"] == 3 and t["mean"] == pytest.approx((1 + 1 + 3) / 3) and t["above"] == 3  # seed 3 has no baseline: left out
-    assert v["heldout_vs_baseline"]["n"] == 0
+    assert v["heldout_vs_baseline"]["n"] == 0 and v["heldout_raw_vs_baseline"]["n"] == 0
+
+    # Raw held-out: the trained policies' own held-out rewards, seed by seed, with no control in it.
+    # The controls' held-out rewards are chosen so the net comparison points the other way.
+    real = {"base": [run(s, [0, 0, 3], h) for s, h in enumerate([1.0, 2.0, 3.0])],
+            "v": [run(s, [0, 0, 3], h) for s, h in enumerate([1.5, 2.5, 2.9])]}
+    control = {"base": [run(s, flat, 0.0) for s in range(3)], "v": [run(s, flat, 5.0) for s in range(3)]}
+    base, v = drift_rows(real, control, None)
+    raw, net = v["heldout_raw_vs_baseline"], v["heldout_vs_baseline"]
+    assert raw["n"] == 3 and raw["mean"] == pytest.approx((0.5 + 0.5 - 0.1) / 3) and raw["above"] == 2
+    assert net["mean"] == pytest.approx(raw["mean"] - 5.0) and net["above"] == 0
+    from diffrlhf.deploy.bench.drift import table_markdown
+    assert f"| v | 3 | {raw['mean']:+.3f} |" in table_markdown("r", "c", [base, v])
 
 
 def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
@@ -273,7 +285,13 @@ def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
     base, drifty, good = net_cost_rows(real, control)
     assert base["target"] == pytest.approx(3.0) and base["reach"]["queries"]["baseline"] == 60
     assert drifty["reach"]["queries"]["variant"] is None  # never reaches the target net of its drift
-    assert good["seeds"] == [0] and good["reach"]["queries"] == {"baseline": 60.0, "variant": 40.0, "ratio": 1.5}
+    assert good["seeds"] == [0] and good["reach"]["queries"] == {"baseline": 60.0, "variant": 40.0, "ratio": 1.5,
+                                                         "held_variant": 40.0, "held_ratio": 1.5}
+    assert drifty["reach"]["queries"]["held_variant"] is None
+    from diffrlhf.deploy.bench.drift import net_cost_markdown
+    md = net_cost_markdown([base, drifty, good])
+    assert "| drifty | 1 | +0.0000 | not reached (< 1.00x) |" in md and md.count("not reached |") == 1  # never reached: not "falls below"
+    assert "| good | 1 | +3.0000 | 40 (1.50x) |" in md and md.rstrip().endswith("| 40 (1.50x) | - |")  # held at 40; no passes axis
 
 
 def test_drift_reads_only_the_chosen_variants_of_a_suite(tmp_path):

@@ -47,11 +47,27 @@ def test_cost_to_reach_reads_each_axis_at_the_first_epoch_that_reaches():
     base_y = np.array([0.0, 0.0, 0.0, 0.3])  # smoothed final 0.1, first reached at the last epoch
     var_y = np.array([0.0, 0.3, 0.3, 0.3])  # smoothed 0, 0.15, 0.2, 0.3: reached at epoch 1
     out = study.cost_to_reach(base, base_y, var, var_y)
-    assert out["queries"] == {"baseline": 32.0, "variant": 16.0, "ratio": 2.0}
-    assert out["passes"] == {"baseline": 320.0, "variant": 40.0, "ratio": 8.0}
+    held = {"held_variant": 16.0, "held_ratio": 2.0}  # it does not fall back after it reaches
+    assert out["queries"] == {"baseline": 32.0, "variant": 16.0, "ratio": 2.0, **held}
+    assert out["passes"] == {"baseline": 320.0, "variant": 40.0, "ratio": 8.0, "held_variant": 40.0, "held_ratio": 8.0}
     never = study.cost_to_reach(base, base_y, var, np.zeros(4))
     assert never["passes"]["ratio"] is None and never["passes"]["ratio_upper_bound"] == 4.0
     assert study.cost_to_reach(base, np.zeros(4), var, var_y) == {}  # a baseline that did not improve sets no bar
+
+
+def test_cost_to_reach_held_waits_until_a_curve_stays_above_the_target():
+    """A variant that crosses the target early and falls back: the first crossing reads cheap,
+    the held read waits for the epoch from which it stays there, or says it never does."""
+    q = np.arange(1.0, 7.0) * 8
+    base, var = {"queries": q}, {"queries": q}
+    base_y = np.array([0.0, 0.6, 0.6, 0.0, 0.0, 0.6])  # smoothed 0, .3, .4, .4, .2, .2: target 0.2, first crossing epoch 1
+    spike = np.array([0.0, 1.2, 0.0, 0.0, 0.0, 1.2])  # smoothed 0, .6, .4, .4, 0, .4: reaches at 1, dips at 4, back at 5
+    out = study.cost_to_reach(base, base_y, var, spike)["queries"]
+    assert (out["baseline"], out["variant"], out["ratio"]) == (16.0, 16.0, 1.0)
+    assert (out["held_variant"], out["held_ratio"]) == (48.0, 16.0 / 48.0)  # against the baseline's first crossing
+    falls = study.cost_to_reach(base, base_y, var, np.array([0.0, 1.2, 1.2, 0.0, 0.0, 0.0]))["queries"]
+    assert falls["variant"] == 16.0 and falls["held_variant"] is None and falls["held_ratio"] is None
+    assert study.held_from(np.ones(3), 1.0) == 0 and study.held_from(np.array([1.0, 1.0, 0.0]), 0.9, window=1) is None
 
 
 def test_runs_saved_before_the_selection_key_stay_reusable(tmp_path):

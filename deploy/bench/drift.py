@@ -14,7 +14,8 @@ reports, per variant, seed by seed (the runs are paired: same seed, same first e
 gain = final smoothed reward - epoch 0 reward; drift = the same on the control; net = gain - drift.
 Held-out: trained - untrained policy on the held-out prompts, and net = reward run - control run.
 Then each variant against the first (the baseline), paired by seed: a paired t-test on the per-seed
-differences of net gain (and of held-out net), with its 95% confidence interval and p.
+differences of net gain (and of held-out net, and of the raw held-out reward, no control involved),
+with its 95% confidence interval and p.
 Writes drift_<reward>.md, .json and .png into the study folder; with --suite S (the variants of a
 study suite, as labelled there), drift_<S>_<reward>.*.
 """
@@ -58,7 +59,8 @@ def drift_rows(real: dict[str, list[dict]], control: dict[str, list[dict]], untr
                 row["heldout_gain"] = mean_se([g[s]["heldout"] - untrained_heldout for s in seeds])
                 row["heldout_drift"] = mean_se([d[s]["heldout"] - untrained_heldout for s in seeds])
         row["per_seed"] = {s: {"net": g[s]["gain"] - d[s]["gain"],
-                               "heldout_net": (g[s]["heldout"] - d[s]["heldout"]) if g[s]["heldout"] is not None and d[s]["heldout"] is not None else None}
+                               "heldout_net": (g[s]["heldout"] - d[s]["heldout"]) if g[s]["heldout"] is not None and d[s]["heldout"] is not None else None,
+                               "heldout": g[s]["heldout"]}
                            for s in seeds}
         rows.append(row)
     compare_to_baseline(rows)
@@ -75,6 +77,10 @@ def compare_to_baseline(rows: list[dict]) -> None:
         row["vs_baseline"] = paired_test([mine[s]["net"] - base[s]["net"] for s in seeds])
         held = [s for s in seeds if mine[s]["heldout_net"] is not None and base[s]["heldout_net"] is not None]
         row["heldout_vs_baseline"] = paired_test([mine[s]["heldout_net"] - base[s]["heldout_net"] for s in held])
+        # The trained policies' held-out rewards themselves, no control subtracted: "above the baseline's
+        # same-seed run on held-out prompts" is read here, with nothing a control could move.
+        raw = [s for s in seeds if mine[s].get("heldout") is not None and base[s].get("heldout") is not None]
+        row["heldout_raw_vs_baseline"] = paired_test([mine[s]["heldout"] - base[s]["heldout"] for s in raw])
 
 
 def net_curves(real: list[dict], control: list[dict]) -> tuple[list[dict], np.ndarray]:
@@ -115,12 +121,15 @@ def net_cost_markdown(rows: list[dict]) -> str:
     if not rows:
         return ""
     lines = ["", f"Cost to reach {rows[0]['variant']}'s final net reward (seed-mean net curve: each epoch's reward less its "
-             "control's drift so far; trailing 3-epoch average), paired seeds only:", "",
-             "| variant | seeds | final net (smoothed) | queries (ratio) | learner passes (ratio) | wall-clock s (ratio) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "control's drift so far; trailing 3-epoch average), paired seeds only. First crossing, then \"held\": "
+             "the variant's cost from the first epoch after which its curve stays at or above the target to the end, "
+             "against the baseline's first crossing:", "",
+             "| variant | seeds | final net (smoothed) | queries (ratio) | learner passes (ratio) | wall-clock s (ratio) "
+             "| queries, held to the end (ratio) | learner passes, held (ratio) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if not r["seeds"]:
-            lines.append(f"| {r['variant']} | 0 | - | - | - | - |")
+            lines.append(f"| {r['variant']} | 0 | - | - | - | - | - | - |")
             continue
         cells = []
         for axis in ("queries", "passes", "wall_s"):
@@ -131,6 +140,13 @@ def net_cost_markdown(rows: list[dict]) -> str:
                 cells.append(f"not reached (< {a['ratio_upper_bound']:.2f}x)")
             else:
                 cells.append(f"{a['variant']:.0f} ({a['ratio']:.2f}x)")
+        for axis in ("queries", "passes"):
+            a = r["reach"].get(axis)
+            if a is None or "held_variant" not in a:
+                cells.append("no bar" if not r["reach"] else "-")
+            else:
+                cells.append("not reached" if a["variant"] is None else "falls below by the end" if a["held_variant"] is None
+                             else f"{a['held_variant']:.0f} ({a['held_ratio']:.2f}x)")
         lines.append(f"| {r['variant']} | {len(r['seeds'])} | {r['final_net']:+.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
@@ -159,6 +175,13 @@ def table_markdown(reward: str, control: str, rows: list[dict]) -> str:
         for r in rows[1:]:
             a, h = r.get("vs_baseline") or {}, r.get("heldout_vs_baseline") or {}
             lines.append(f"| {r['variant']} | {a.get('n', 0)} | {_paired(a)} | {h.get('n', 0) and _paired(h)} |")
+        if any((r.get("heldout_raw_vs_baseline") or {}).get("n") for r in rows[1:]):
+            lines += ["", f"Held-out reward of the trained policy (raw, no control subtracted) against {rows[0]['variant']}'s "
+                      "run of the same seed, paired by seed:", "",
+                      f"| variant | seeds | held-out - {rows[0]['variant']} | 95% CI | p | seeds ahead |", "| --- | --- | --- | --- | --- | --- |"]
+            for r in rows[1:]:
+                t = r.get("heldout_raw_vs_baseline") or {}
+                lines.append(f"| {r['variant']} | {t.get('n', 0)} | {_paired(t)} |")
     return "\n".join(lines + [""])
 
 

@@ -182,14 +182,30 @@ def cost_axes(runs: list[dict], n: int) -> dict[str, np.ndarray]:
     return out
 
 
+def held_from(y, target: float, window: int = SMOOTH_WINDOW):
+    """The first epoch from which the smoothed y stays >= target to the end of the run, or None if
+    it ends below it."""
+    below = np.nonzero(smooth(y, window) < target)[0]
+    if not len(below):
+        return 0
+    return None if below[-1] == len(y) - 1 else int(below[-1] + 1)
+
+
 def cost_to_reach(base: dict, base_y, var: dict, var_y, window: int = SMOOTH_WINDOW) -> dict:
     """For each cost axis: the baseline's and the variant's cost at the first epoch whose smoothed
-    seed-mean reward reaches the baseline's final one, and the ratio baseline / variant."""
+    seed-mean reward reaches the baseline's final one, and the ratio baseline / variant.
+
+    A curve that crosses the target on its way up and falls back reads as cheap by the first
+    crossing; "held_variant" is the variant's cost at the first epoch from which it stays at or above
+    the target to its end (None if it ends below it), and "held_ratio" the baseline's first-crossing
+    cost over it: conservative, since the baseline is not held to the same (its own late dips below
+    its final value would make its held cost its total)."""
     target = float(smooth(base_y, window)[-1])
     if target <= float(base_y[0]):
         return {}
     ib = int(np.nonzero(smooth(base_y, window) >= target)[0][0])
     hit = np.nonzero(smooth(var_y, window) >= target)[0]
+    hv = held_from(var_y, target, window)
     out = {}
     for axis in [a for a in base if a in var]:
         if len(hit):
@@ -198,6 +214,8 @@ def cost_to_reach(base: dict, base_y, var: dict, var_y, window: int = SMOOTH_WIN
         else:  # not reached: the ratio is below baseline / (the variant's total)
             out[axis] = {"baseline": float(base[axis][ib]), "variant": None, "ratio": None,
                          "ratio_upper_bound": float(base[axis][ib] / var[axis][-1])}
+        out[axis].update(held_variant=None if hv is None else float(var[axis][hv]),
+                         held_ratio=None if hv is None else float(base[axis][ib] / var[axis][hv]))
     return out
 
 
