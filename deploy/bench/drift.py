@@ -79,7 +79,7 @@ def compare_to_baseline(rows: list[dict]) -> None:
         row["heldout_vs_baseline"] = paired_test([mine[s]["heldout_net"] - base[s]["heldout_net"] for s in held])
         # The trained policies' held-out rewards themselves, no control subtracted: "above the baseline's
         # same-seed run on held-out prompts" is read here, with nothing a control could move.
-        raw = [s for s in seeds if mine[s].get("heldout") is not None and base[s].get("heldout") is not None]
+        raw = [s for s in seeds if mine[s]["heldout"] is not None and base[s]["heldout"] is not None]
         row["heldout_raw_vs_baseline"] = paired_test([mine[s]["heldout"] - base[s]["heldout"] for s in raw])
 
 
