@@ -352,12 +352,15 @@ def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(t
     from diffrlhf.deploy.bench import drift, evidence_table, study
 
     def fake(seed, slope):  # each seed learns a little faster than the last, so the paired differences vary
-        recs = [{"epoch": e, "reward_mean": -1.8 + slope * (1 + 0.1 * seed) * e, "reward_queries": 32 * (e + 1), "samples": 32,
+        spike = slope == "spike"  # jumps to +0.3 at epoch 1, back to the start by the end; held-out below ddpo
+        curve = [0.0 if spike and e > 4 else 0.3 * (e > 0) if spike else slope * (1 + 0.1 * seed) * e for e in range(9)]
+        recs = [{"epoch": e, "reward_mean": -1.8 + curve[e], "reward_queries": 32 * (e + 1), "samples": 32,
                  "learner_passes": 640, "time_epoch": 1.0} for e in range(9)]
-        return {"seed": seed, "records": recs, "eval": {"reward_mean": -1.8 + 5 * slope * (1 + 0.1 * seed)}}
+        held = -1.8 - 0.01 * (1 + seed) if spike else -1.8 + 5 * slope * (1 + 0.1 * seed)
+        return {"seed": seed, "records": recs, "eval": {"reward_mean": held}}
 
-    settings = {"s1": {"ddpo": 0.01, "method top 0.25": 0.2, "method window 0.25": 0.2},
-                "s2": {"ddpo": 0.01, "method top 0.25": 0.005}}
+    settings = {"s1": {"ddpo": 0.01, "method top 0.25": 0.2, "method window 0.25": 0.2, "method weighted 0.5": "spike"},
+                "s2": {"ddpo": 0.01, "method top 0.25": 0.005, "method weighted 0.5": "spike"}}
     files = []
     for name, slopes in settings.items():
         for reward, scale in (("jpeg_compressibility", 1.0), ("jpeg_compressibility_shuffled", 0.0)):
@@ -365,13 +368,14 @@ def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(t
                 for seed in range(4):
                     path = study.run_path(tmp_path / name, reward, study.SUITES["compute"][label], seed)
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps(fake(seed, slope * scale)))
+                    path.write_text(json.dumps(fake(seed, slope if scale else 0.0)
+                                               if isinstance(slope, str) else fake(seed, slope * scale)))
         drift.main(["--study", str(tmp_path / name), "--suite", "compute", "--only", *list(slopes)[1:]])
         files.append(f"{name} setting=" + str(tmp_path / name / "drift_compute_jpeg_compressibility.json"))
     capsys.readouterr()
     rows = evidence_table.main(["--drift", *files, "--out", str(tmp_path / "summary")])
     by = {r["variant"]: r for r in rows}
-    assert list(by) == ["ddpo", "method top 0.25", "method window 0.25"] and "fold_on_all" not in by["ddpo"]
+    assert list(by) == ["ddpo", "method weighted 0.5", "method top 0.25", "method window 0.25"] and "fold_on_all" not in by["ddpo"]
     top = by["method top 0.25"]["per_file"]
     # s1: ddpo's smoothed net ends at 0.01 x 7 (x 1.15 mean over seeds); top's is 0.1 x 1.15 after epoch 1: 64 of 288 queries
     assert top["s1 setting"]["query_ratio"] == pytest.approx(4.5) and evidence_table.separated(top["s1 setting"], 0.05)
@@ -379,9 +383,18 @@ def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(t
     assert by["method top 0.25"]["fold_on_all"] is False and by["method top 0.25"]["separated_on_all"] is False
     assert by["method window 0.25"]["per_file"]["s2 setting"] is None
     assert by["method window 0.25"]["fold_on_all"] is None and by["method window 0.25"]["separated_on_all"] is None  # not run is not failed
+    assert by["method window 0.25"]["raw_heldout_on_all"] is None
+    # the spike crosses ddpo's final net after one epoch (first-crossing ratio >= 3x) and is back below by the end:
+    # the fold test counts the held ratio, so it fails; its held-out reward is below ddpo's on every seed
+    spike = by["method weighted 0.5"]
+    assert spike["per_file"]["s1 setting"]["query_ratio"] >= 3 and spike["per_file"]["s1 setting"]["held_query_ratio"] == 0.0
+    assert spike["fold_on_all"] is False and spike["raw_heldout_on_all"] is False
     text = (tmp_path / "summary.md").read_text()
-    (_, top1, _) = evidence_table.main(["--drift", files[0], "--out", str(tmp_path / "one")])
-    assert top1["fold_on_all"] is True and top1["separated_on_all"] is True  # s1 alone: both tests pass
+    assert "falls below by the end" in text
+    (_, _, top1, _) = evidence_table.main(["--drift", files[0], "--out", str(tmp_path / "one")])
+    # s1 alone: all three tests pass (its raw held-out is above ddpo's same seed on every seed)
+    assert top1["fold_on_all"] is True and top1["separated_on_all"] is True and top1["raw_heldout_on_all"] is True
+    assert evidence_table.raw_heldout_above(top1["per_file"]["s1 setting"], 0.05)
     assert "| **yes** |" in (tmp_path / "one.md").read_text()
     assert "| method window 0.25 | +" in text and "not run in every setting" in text and "not reached" in text
     with pytest.raises(SystemExit, match="does not exist"):
