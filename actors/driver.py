@@ -15,17 +15,21 @@ checkpoints, and reports.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
 from pathlib import Path
 
+import psutil
 import ray
 from tqdm import tqdm
 
 from diffrlhf.actors import oracle
 from diffrlhf.actors.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from diffrlhf.actors.observe import RunMetrics, Watchdog
-from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask,
+from diffrlhf.actors.reaper import watch
+from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFailed, local_resources, SampleTask, ScoreTask, UpdateTask,
                                        resource_problems, role_requests)
 from diffrlhf.actors.settings import plan_for, reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
@@ -33,7 +37,7 @@ from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
 from diffrlhf.learner.lora import flatten_lora_state
 from diffrlhf.policy.prompts import BatchPlan, load_prompts
 
-__all__ = ["Driver", "RunFailed", "init_ray"]
+__all__ = ["Driver", "RunFailed", "init_ray", "ray_restarts"]
 
 PING_AGAIN_S = 0.5  # a restarting actor is asked again after this long
 START_REPORT_S = 30.0  # while actors start, say every this long which are still pending and why
@@ -48,12 +52,39 @@ def init_ray(cfg, num_gpus: float | None = None, quiet: bool = True):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=not quiet)
         return
-    s = cfg.system
+    # Ray 2.60 turns token authentication on by default and says so on every local start: a notice
+    # about the safe default, not a warning for the user (its "disabled" warning stays). Setting
+    # RAY_AUTH_MODE here would not do: Ray reads it at import, and a mismatch fails the start.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_not_the_auth_default_notice)
     # Logical CPUs: enough for every actor to be placed; torch threads per actor keep real use in check.
-    need = s.num_samplers * s.sampler_cpus + s.num_reward_actors * s.reward_cpus + s.num_learners * s.learner_cpus + 1
     # The dashboard (and the metrics it shows) costs ~0.5 GB: opt in locally with DIFFRLHF_DASHBOARD=1.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), num_gpus=num_gpus,
-             include_dashboard=os.environ.get("DIFFRLHF_DASHBOARD") == "1", log_to_driver=not quiet)
+    ray.init(address="local", num_cpus=int(local_resources(cfg)["CPU"]), num_gpus=num_gpus,
+             include_dashboard=os.environ.get("DIFFRLHF_DASHBOARD") == "1", log_to_driver=not quiet,
+             logging_level=logging.WARNING if quiet else logging.INFO)
+    _watch_local_ray()
+
+
+def _not_the_auth_default_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+_reapers: list = []  # the reaper processes' pipes: open for as long as this process lives
+
+
+def _watch_local_ray() -> None:
+    """Have a local Ray ended within seconds if this process dies without shutting it down
+    (actors/reaper.py); Ray's own clean-up leaves its agents for about a minute."""
+    mine = {r.pid for r in _reapers}
+    ray_procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in mine and "ray" in " ".join(p.cmdline()):
+                ray_procs.append(p.pid)
+        except psutil.Error:
+            continue
+    reaper = watch(ray_procs)
+    if reaper is not None:
+        _reapers.append(reaper)
 
 
 class Driver:
@@ -71,6 +102,7 @@ class Driver:
         self.sched = EpochScheduler.from_config(cfg)
         self.records: list[dict] = []
         self.role_stats: list[dict] = []
+        self.restarts: dict[str, int] = {}  # Ray's restart count per actor name, as last seen
         self.metrics = RunMetrics()
         self.watchdog = Watchdog(role_timeout_s=cfg.system.idle_timeout_s / 2, queue_timeout_s=cfg.system.idle_timeout_s / 2)
 
@@ -101,7 +133,7 @@ class Driver:
             return
         text = "\n  ".join(problems)
         if not os.environ.get("RAY_ADDRESS"):
-            raise RunFailed(f"this local Ray can never start every actor the config asks for:\n  {text}")
+            raise RunFailed(f"this local Ray can never start every actor the config asks for: {'; '.join(problems)}")
         print(f"[diffrlhf] the cluster cannot place every actor yet (waiting for it to scale, up to "
               f"system.start_timeout_s={self.cfg.system.start_timeout_s:g}s):\n  {text}")
 
@@ -135,7 +167,7 @@ class Driver:
                 try:
                     ray.get(ref)
                 except Exception as e:
-                    raise RunFailed(f"the {name} actor failed to start:\n{_error_text(e)}") from None
+                    raise RunFailed(f"the {name} actor failed to start: {_error_text(e)}") from None
             if ready:
                 continue
             elapsed = time.time() - t0
@@ -190,7 +222,7 @@ class Driver:
                 address = "127.0.0.1"  # one node: loopback (a node's routed address can be slow to connect, 40 s measured here)
             ray.get([a.join_group.remote(address, port, self.cfg.system.idle_timeout_s) for a in self.learners], timeout=t)
         except Exception as e:
-            raise RunFailed(f"the {len(self.learners)} learners could not form their torch.distributed group:\n{_error_text(e)}") from None
+            raise RunFailed(f"the {len(self.learners)} learners could not form their torch.distributed group: {_error_text(e)}") from None
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -265,7 +297,7 @@ class Driver:
                     task, _, _, extra = self.pending.pop(ref)
                     self._submit(self._on_result(ref, task, extra))
         except RunFailed as e:
-            raise RunFailed(f"{str(e).rstrip('.')}.{self._resume_hint()}") from None
+            raise RunFailed(_with_hint(str(e), self._resume_hint())) from None
         except ray.exceptions.RayActorError as e:  # a core role died outside a task's result (checkpoint, LoRA save)
             raise RunFailed(f"an actor died while the driver saved the run: {_error_text(e)}.{self._resume_hint()}") from None
         finally:
@@ -454,7 +486,8 @@ class Driver:
     def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float) -> None:
         c = self.sched.counters
         rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, wall_s=wall, samples_trained=summary["samples_trained"],
-                           **{k: v for k, v in c.items() if k not in ("epochs_done", "reward_queries")})
+                           **{k: v for k, v in c.items() if k not in ("epochs_done", "reward_queries")}, **self.sched.last_trained,
+                           ray_restarts=self._check_restarts())
         self.records.append(rec)
         self.metrics.epoch(rec, rec["reward_queries"] - (self.records[-2]["reward_queries"] if len(self.records) > 1 else 0))
         self.watchdog.reward(rec["reward_mean"])
@@ -471,13 +504,29 @@ class Driver:
             self.bar.update(1)
             self.bar.set_postfix(queries=c["reward_queries"], reward=f"{rec['reward_mean']:.4f}", lag=rec.get("policy_lag_max"))
 
+    def _named_actors(self) -> list[tuple[str, object]]:
+        return ([(f"learner-{i}", a) for i, a in enumerate(self.learners)] + [("buffer", self.buffer)]
+                + [(f"sampler-{i}", a) for i, a in enumerate(self.samplers)] + [(f"reward-{i}", a) for i, a in enumerate(self.rewards)])
+
+    def _check_restarts(self) -> int:
+        """Ray's restarts of each actor (its GCS count: restarts between calls too, which no call
+        of the driver sees), one line for each new one; the total so far."""
+        max_restarts = self.cfg.system.max_actor_restarts
+        for name, actor in self._named_actors():
+            n = ray_restarts(actor)
+            if n is not None and n > self.restarts.get(name, 0):
+                print(f"[diffrlhf] {name} was restarted by Ray ({n} restart{'s' * (n > 1)} of system.max_actor_restarts={max_restarts})")
+                self.restarts[name] = n
+        return sum(self.restarts.values())
+
     def _collect_role_stats(self) -> list[dict]:
+        self._check_restarts()
         out = []
-        for a in self.learners + [self.buffer] + self.samplers + self.rewards:
+        for name, a in self._named_actors():
             try:
-                out.append(ray.get(a.stats.remote(), timeout=30))
+                out.append({**ray.get(a.stats.remote(), timeout=30), "ray_restarts": self.restarts.get(name, 0)})
             except Exception as e:  # a dead actor has no stats; say so rather than fail the run
-                out.append({"role": "unknown", "error": _error_text(e)})
+                out.append({"role": name, "error": _error_text(e), "ray_restarts": self.restarts.get(name, 0)})
         return out
 
     def shutdown(self) -> None:
@@ -489,6 +538,17 @@ class Driver:
 
             remove_placement_group(self.learner_pg)
             self.learner_pg = None
+
+
+def ray_restarts(actor) -> int | None:
+    """How often Ray restarted the actor, from its GCS record (a private Ray API: None where it
+    is not available)."""
+    try:
+        from ray._private.state import actors
+
+        return int(actors(actor._actor_id.hex())["NumRestarts"])
+    except Exception:
+        return None
 
 
 def _outcome(ref):
@@ -507,21 +567,50 @@ def _read(refs) -> None:
         _outcome(r)
 
 
+def _with_hint(message: str, hint: str) -> str:
+    """The resume hint on the message's first line (the CLI prints errors as one line)."""
+    first, *rest = message.strip().splitlines() or [""]
+    return "\n".join([f"{first.rstrip('.')}.{hint}", *rest])
+
+
+def _actor_death(text: str) -> str:
+    """Ray's actor-death text, short: an error raised in the actor's creation task as that error's
+    own message; otherwise the first line and the exit detail's first sentence (Ray's advice on
+    resource isolation and the actor's ids are left out)."""
+    text = _ANSI.sub("", text)
+    if "creation task" in text and "  File " in text:
+        return _without_frames(text)
+    m = re.match(r"(.*?Worker exit detail: [^.]*\.?)", text, re.S)
+    if m:
+        return " ".join(m.group(1).split())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else "the actor died"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _without_frames(text: str) -> str:
+    """The error's own message after the last traceback frame (its source line and carets dropped)."""
+    lines = text.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return text.strip()
+    rest = lines[frames[-1] + 1:]
+    while rest and rest[0].startswith("    "):  # the frame's source line and caret marks
+        rest = rest[1:]
+    return "\n".join(rest).strip() or text.strip()
+
+
 def _error_text(e: BaseException) -> str:
     """The original error's whole message, without Ray's traceback frames: a multi-line message
     (e.g. missing weights and the command that fetches them) stays whole."""
     cause = getattr(e, "cause", None)
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
         return f"{type(cause).__name__}: {cause}".strip()
-    text = (e.error_msg if isinstance(e, ray.exceptions.RayActorError) else str(e)).strip()
-    lines = text.splitlines()
-    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
-    if not frames:
-        return text or type(e).__name__
-    rest = lines[frames[-1] + 1:]
-    while rest and rest[0].startswith("    "):  # the frame's source line and caret marks
-        rest = rest[1:]
-    return "\n".join(rest).strip() or text
+    if isinstance(e, ray.exceptions.RayActorError):
+        return _actor_death(str(e.error_msg))
+    return _without_frames(_ANSI.sub("", str(e))) or type(e).__name__
 
 
 def _fmt(resources: dict) -> str:

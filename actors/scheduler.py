@@ -21,7 +21,10 @@ Decisions:
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass
+
+import torch
 
 
 class RunFailed(RuntimeError):
@@ -122,6 +125,7 @@ class EpochScheduler:
         self.batches_in: collections.Counter = collections.Counter()  # buffered or dropped, per epoch
         self.epoch_queries: collections.Counter = collections.Counter()  # untrained epochs only
         self.rewards_dropped: collections.Counter = collections.Counter()
+        self.last_trained: dict = {"reward_dropped_epoch": 0, "batches_dropped_epoch": 0}
         self.dropped: dict[int, list[int]] = collections.defaultdict(list)
         self.adding = 0
         self.updating = False
@@ -187,6 +191,8 @@ class EpochScheduler:
         self.updating = False
         self.counters["epochs_done"] = e + 1
         self.counters["reward_queries"] += self.epoch_queries.pop(e, 0)
+        # The epoch's own losses, for its record (the counters also hold epochs still in flight).
+        self.last_trained = {"reward_dropped_epoch": self.rewards_dropped.get(e, 0), "batches_dropped_epoch": len(self.dropped.get(e, []))}
         if samples < self.batches_per_epoch * self.batch_size:
             self.short[e] = {"samples": samples, "batches_dropped": sorted(self.dropped.get(e, [])),
                              "rewards_dropped": self.rewards_dropped.get(e, 0)}
@@ -210,11 +216,18 @@ class EpochScheduler:
         out = self._actor_died(t)
         self.running[role, t.actor].remove(t)
         attempt = t.attempt + t.charged
+        stage = "sampling" if isinstance(t, SampleTask) else "scoring"
         if attempt > self.max_retries:
             self._drop(t, error)
         else:
             self.counters["sample_retries" if isinstance(t, SampleTask) else "score_retries"] += 1
             (self.to_sample if isinstance(t, SampleTask) else self.to_score).appendleft((t.epoch, t.batch, attempt))
+            # One project line per death noticed and per retried batch (Ray's own lines are not the project's).
+            death = (f"{role}-{t.actor} died ({error}; actor deaths so far: {self.counters['actor_deaths']}); Ray restarts it "
+                     f"(system.max_actor_restarts={self.max_restarts}). " if out else f"{role}-{t.actor} was down. ")
+            self.notices.append(f"{death}Epoch {t.epoch} batch {t.batch}: {stage} retried"
+                                + (f" (charged retry {attempt} of system.max_batch_retries={self.max_retries})" if t.charged else
+                                   " (not charged: it was waiting behind the call that died)"))
         return out + self._next()
 
     def empty_epoch(self, t: UpdateTask) -> None:
@@ -250,7 +263,7 @@ class EpochScheduler:
         c["reward_queries_lost"] += lost
         c["reward_dropped"] -= sum(self.rewards_dropped.values())
         c["batches_dropped"] -= sum(len(v) for v in self.dropped.values())
-        return {"counters": c, "short_epochs": {e: dict(v) for e, v in self.short.items()}}
+        return {"counters": c, "short_epochs": {e: dict(v) for e, v in self.short.items()}, "queries_in_flight": lost}
 
     # ------------------------------------------------------------------ reporting
 
@@ -362,6 +375,14 @@ def role_requests(cfg) -> dict[str, tuple[int, dict]]:
             "reward": (s.num_reward_actors, ask("reward", s.reward_cpus, s.reward_gpus)),
             "learner": (s.num_learners, ask("learner", s.learner_cpus, s.learner_gpus)),
             "buffer": (1, ask("buffer", 0, 0))}
+
+
+def local_resources(cfg) -> dict:
+    """What a local Ray started for this config has (actors.driver.init_ray): logical CPUs sized to
+    the config, the GPUs torch sees, and no custom resources."""
+    s = cfg.system
+    need = s.num_samplers * s.sampler_cpus + s.num_reward_actors * s.reward_cpus + s.num_learners * s.learner_cpus + 1
+    return {"CPU": float(max(os.cpu_count() or 1, int(need + 0.999))), "GPU": float(torch.cuda.device_count())}
 
 
 def _key(role: str, res: str) -> str:

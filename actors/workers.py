@@ -96,7 +96,7 @@ class SamplerWorker(_Role):
         """Continue each recorded row from its state after `step` steps, num_branches times with the
         given noise seeds (policy.branching.branch_trajectories), with the policy version `weights`
         (None: the weights loaded now; before any, the untrained adapter). The per-step variance
-        bench's branches (deploy/bench/variance.py --ray)."""
+        bench's branches (research/bench/variance.py --ray)."""
         if weights is not None and weights[0] != self.version:
             self.set_weights(*weights)
         return branch_trajectories(self.components, batch, step, num_branches, seeds, self.settings, self.negative_embeds)

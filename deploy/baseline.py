@@ -4,8 +4,8 @@
     print(summary_line(records, band))
 
 The band comes from the sample-efficiency study's DDPO runs (uniform weights, no replay;
-deploy/results/<study>/runs/<reward>/uniform__none/seed<N>.json, made with the single-process
-reference loop). A committed run counts only if its config equals this run's on everything that
+research/results/<study>/runs/<reward>/uniform__none/seed<N>.json, made with the single-process
+reference loop, gathered into the package file ddpo_baselines.json). A committed run counts only if its config equals this run's on everything that
 changes what is learned: model (with the tiny world's weights digest), sample, prompts, reward,
 advantage and train, except train.epochs (no schedule depends on it: the first n epochs of a longer
 run are an n-epoch run). Ignored: weighting, replay and train.timestep_selection/_fraction (the axes
@@ -22,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrlhf.deploy.config import _flatten
+from diffrlhf.deploy.config import flatten
 from diffrlhf.tinyworld import weights as tiny_world_weights
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The band's data, one small package file written from the study's runs by
+# `python -m research.bench.baselines` (the product never reads the study's folders).
+BASELINES_FILE = Path(__file__).resolve().parent / "ddpo_baselines.json"
 COMPARED = ("model", "sample", "prompts", "reward", "advantage", "train")
 # Also ignored: which timesteps are trained and what share (an axis compared, like weighting: a run that
 # trains a quarter of the steps is measured against DDPO's all-steps band).
@@ -33,48 +35,65 @@ IGNORED = {"train.epochs", "model.device", "reward.runtime_env", "train.timestep
 
 
 def identity(config: dict) -> dict:
-    """The flat keys that must match, with the tiny world's weights digest added as the study records it."""
+    """The flat keys that must match, with the tiny world's weights digest added as the study records it
+    (as JSON gives them back: tuples are lists)."""
     d = {s: dict(config.get(s) or {}) for s in COMPARED}
     if d["model"].get("name") == "tiny-world" and "weights_sha256" not in d["model"]:
         d["model"]["weights_sha256"] = tiny_world_weights.recorded_digest()[:16]
-    return {k: v for k, v in _flatten(d).items() if k not in IGNORED}
+    return json.loads(json.dumps({k: v for k, v in flatten(d).items() if k not in IGNORED}))
 
 
-def matching_runs(config: dict, results_dir: str | Path = RESULTS_DIR) -> list[dict]:
-    """The committed DDPO runs (one per seed) made with this config's settings, from one study folder.
+def baselines_from_runs(results_dir: str | Path) -> list[dict]:
+    """One entry per distinct settings among the DDPO runs (uniform weights, no replay) of the study
+    folders under results_dir: {"identity", "study", "seeds", "queries", "rewards" [seed][epoch]}.
 
-    If several study folders match, the one with the most seeds wins (then the first by name), so
-    seeds of two studies are never mixed.
+    If several study folders ran the same settings, the one with the most seeds wins (then the first
+    by name), so seeds of two studies are never mixed. Epochs are cut to the shortest run.
     """
-    want = identity(config)
-    by_study: dict[Path, list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for path in sorted(Path(results_dir).glob("*/runs/*/uniform__none/seed*.json")):
         run = json.loads(path.read_text())
-        if identity(run["config"]) == want and run.get("records"):
-            by_study.setdefault(path.parents[3], []).append({**run, "path": str(path)})
-    return max(by_study.values(), key=len) if by_study else []  # paths are sorted: ties go to the first name
+        if run.get("records"):
+            ident = identity(run["config"])
+            groups.setdefault((json.dumps(ident, sort_keys=True), path.parents[3].name), []).append(run)
+    best: dict[str, tuple[str, list[dict]]] = {}
+    for (key, study), runs in groups.items():  # sorted by path: ties go to the first study name
+        if key not in best or len(runs) > len(best[key][1]):
+            best[key] = (study, runs)
+    out = []
+    for key, (study, runs) in best.items():
+        n = min(len(r["records"]) for r in runs)
+        out.append({"identity": json.loads(key), "study": study, "seeds": [r["seed"] for r in runs],
+                    "queries": [rec["reward_queries"] for rec in runs[0]["records"][:n]],
+                    "rewards": [[rec["reward_mean"] for rec in r["records"][:n]] for r in runs]})
+    return out
 
 
-def ddpo_band(config, results_dir: str | Path = RESULTS_DIR) -> dict | None:
+def load_baselines(path: str | Path = BASELINES_FILE) -> list[dict]:
+    path = Path(path)
+    return json.loads(path.read_text())["baselines"] if path.exists() else []
+
+
+def ddpo_band(config, baselines: list[dict] | None = None) -> dict | None:
     """Per-epoch DDPO reward across the matching seeds against reward queries: the [seed, epoch] rewards
     and their mean, min, max and s.d. over seeds.
 
-    config: a Config or its to_dict(). None when no committed run matches. Epochs are cut to the
-    shortest matching run.
+    config: a Config or its to_dict(); baselines: entries of baselines_from_runs (default: the
+    package's file). None when no baseline was run with this config's settings.
     """
     config = config if isinstance(config, dict) else config.to_dict()
-    runs = matching_runs(config, results_dir)
-    if not runs:
+    want = identity(config)
+    match = [b for b in (load_baselines() if baselines is None else baselines) if b["identity"] == want]
+    if not match:
         return None
-    n = min(len(r["records"]) for r in runs)
-    y = np.array([[rec["reward_mean"] for rec in r["records"][:n]] for r in runs])
-    study = Path(runs[0]["path"]).parents[3].name
+    b = match[0]
+    y, n = np.array(b["rewards"], dtype=np.float64), len(b["queries"])
     return {
-        "queries": np.array([rec["reward_queries"] for rec in runs[0]["records"][:n]]),
+        "queries": np.array(b["queries"]),
         "rewards": y, "mean": y.mean(0), "min": y.min(0), "max": y.max(0),
-        "sd": y.std(0, ddof=1) if len(runs) > 1 else np.zeros(n),
-        "seeds": [r["seed"] for r in runs], "study": study, "paths": [r["path"] for r in runs],
-        "label": f"DDPO baseline: committed {study}, {len(runs)} seed{'s' * (len(runs) > 1)} (reference loop), min..max",
+        "sd": y.std(0, ddof=1) if len(y) > 1 else np.zeros(n),
+        "seeds": list(b["seeds"]), "study": b["study"],
+        "label": f"DDPO baseline: committed {b['study']}, {len(y)} seed{'s' * (len(y) > 1)} (reference loop), min..max",
     }
 
 

@@ -6,6 +6,7 @@
     diffrlhf eval --run RUN_DIR         reward on train and held-out prompts (+ CLIP score if CLIP weights exist)
     diffrlhf fetch-weights NAME         download a reward model's weights (needs internet)
     diffrlhf presets                    list presets
+    diffrlhf base-model [--out DIR]     the embedded model as a standard diffusers folder (for a stock pipeline)
 
 Under `ray job submit` (RAY_ADDRESS set) `train` joins the cluster; otherwise it starts a local Ray.
 Bad input (config keys, reward spec and weights, prompt lists, the model) is an error before any
@@ -30,7 +31,7 @@ EXIT_CODES = f"""exit codes:
   {EXIT_RUN_FAILED}    the run failed (a dead learner or buffer, a failing reward, no progress); it names the last checkpoint
   {EXIT_CHECKPOINT}    --resume found no usable checkpoint (each path tried is named); the run folder is unchanged
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C); it prints the command that resumes from the last checkpoint
-Errors are one line `error: ...`; --debug shows the traceback instead."""
+Errors are one line `error: ...`; --debug shows the whole message and the traceback instead."""
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_cfg(args):
-    from diffrlhf.deploy.config import _apply, config_from_dict, load_config, parse_override, validate
+    from diffrlhf.deploy.config import apply_overrides, config_from_dict, load_config, parse_override, validate
     from diffrlhf.deploy.preflight import InputError
 
     if getattr(args, "resume", None):
@@ -51,7 +52,7 @@ def load_cfg(args):
             raise InputError(f"--resume {args.resume}: no config.yaml there; give a run folder (runs/<name>)")
         cfg = config_from_dict(yaml.safe_load(path.read_text()))
         for o in args.overrides:
-            _apply(cfg, parse_override(o))
+            apply_overrides(cfg, parse_override(o))
         cfg = validate(cfg)
         cfg.run.out_dir, cfg.run.name = str(Path(args.resume).parent), Path(args.resume).name
         return cfg
@@ -78,6 +79,8 @@ def cmd_train(args) -> int:
     run_dir = Path(args.resume) if args.resume else make_run_dir(cfg)
     logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
     print(f"[diffrlhf] run folder: {run_dir}")
+    if state is not None:
+        print(f"[diffrlhf] {resume_line(state, logger.records, cfg.train.epochs)}")
     t0 = time.time()
     try:
         init_ray(cfg)
@@ -98,8 +101,23 @@ def cmd_train(args) -> int:
     (run_dir / "roles.json").write_text(json.dumps(driver.role_stats, indent=1))
     driver.metrics.roles(driver.role_stats)
     logger.plot_reward_curve()
-    _summary(cfg, records, wall, run_dir, driver.role_stats)
+    # The whole run's records (a resumed run's earlier epochs too): the gain is from epoch 0.
+    _summary(cfg, logger.records, wall, run_dir, driver.role_stats, this_session=len(records))
     return 0
+
+
+def resume_line(state: dict, records: list[dict], epochs: int) -> str:
+    """Where a resume continues and what it makes again: every epoch after the checkpoint is sampled
+    and scored anew, so the queries made for them before the stop are redone."""
+    done = int(state["counters"]["epochs_done"])
+    in_flight = int(state.get("queries_in_flight", 0))  # unfinished at the checkpoint: counted as reward_queries_lost
+    past = [r for r in records if r["epoch"] >= done]  # trained after the checkpoint, before the stop
+    before = max((r["reward_queries"] for r in records if r["epoch"] < done), default=0)
+    redo = (max(r["reward_queries"] for r in past) - before) if past else 0
+    after = f" and {redo} of {len(past)} epoch(s) logged after it" if past else ""
+    return (f"resuming at epoch {done} of {epochs} from the checkpoint; redone: {in_flight + redo} reward queries "
+            f"({in_flight} of the epochs unfinished at the checkpoint, counted apart as reward_queries_lost{after}), "
+            "besides any the stop interrupted after the checkpoint")
 
 
 def _discard_if_unused(run_dir: Path, logger) -> None:
@@ -160,12 +178,13 @@ def _exit_code(e: BaseException) -> int | None:
     return None
 
 
-def _summary(cfg, records, wall, run_dir, roles) -> None:
+def _summary(cfg, records, wall, run_dir, roles, this_session: int | None = None) -> None:
     from diffrlhf.deploy.baseline import ddpo_band, summary_line
 
     if records:
         a, b = records[0], records[-1]
-        print(f"[diffrlhf] {len(records)} epochs in {wall:.1f}s; reward {a['reward_mean']:.4f} -> {b['reward_mean']:.4f} "
+        resumed = f" ({this_session} after the resume)" if this_session is not None and this_session < len(records) else ""
+        print(f"[diffrlhf] {len(records)} epochs{resumed} in {wall:.1f}s; reward {a['reward_mean']:.4f} -> {b['reward_mean']:.4f} "
               f"over {b['reward_queries']} reward queries")
         line = summary_line(records, ddpo_band(cfg))  # the gain in standard errors, beside DDPO's committed band
         if line:
@@ -207,6 +226,22 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_base_model(args) -> int:
+    """The embedded model as a folder stock diffusers loads (StableDiffusionPipeline.from_pretrained),
+    to load a trained LoRA onto. The package carries it compactly; this writes the standard form."""
+    from diffrlhf.tinyworld.weights import ensure_tiny_world
+
+    folder = ensure_tiny_world()
+    if args.out:
+        out = Path(args.out)
+        if out.exists():
+            raise FileExistsError(f"--out {out}: already exists; give a new folder")
+        shutil.copytree(folder, out)
+        folder = out
+    print(folder)
+    return 0
+
+
 def main(argv=None) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="diffrlhf", description=__doc__, epilog=EXIT_CODES, formatter_class=fmt)
@@ -245,6 +280,9 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_fetch_weights)
     p = command("presets", "list config presets")
     p.set_defaults(fn=cmd_presets)
+    p = command("base-model", "write the embedded model as a standard diffusers folder and print its path")
+    p.add_argument("--out", help="copy it to this new folder (default: print the cached folder)")
+    p.set_defaults(fn=cmd_base_model)
     args = parser.parse_args(argv)
     if args.cmd is None:  # `diffrlhf` alone: the main job on the embedded default
         args = parser.parse_args(["train"] + list(argv or sys.argv[1:]))
@@ -254,8 +292,21 @@ def main(argv=None) -> int:
         code = _exit_code(e)
         if code is None or args.debug:
             raise
-        print(f"error: {e}" if str(e) else "error: interrupted", file=sys.stderr)
+        print(f"error: {one_line(str(e))}" if str(e) else "error: interrupted", file=sys.stderr)
         return code
+
+
+def one_line(message: str, width: int = 400) -> str:
+    """An error as one line: a short message's lines joined ("no weights ...; fetch them with ...");
+    a long one's first line and a pointer to --debug (Ray's advice, tracebacks of other processes)."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    joined = "; ".join(ln.rstrip(";") for ln in lines)
+    if len(joined) <= width:
+        return joined
+    more = len(lines) - 1
+    return lines[0] + (f" ({more} more line{'s' * (more > 1)} with --debug)" if more else "")
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ def _coerce(key: str, value, typ):
     raise ConfigError(f"config key {key!r}: value {value!r} is a {type(value).__name__}, expected {typ.__name__}")
 
 
-def _apply(obj, data: dict, prefix: str = "") -> None:
+def apply_overrides(obj, data: dict, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for k, v in data.items():
@@ -275,13 +275,13 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
         if dataclasses.is_dataclass(cur):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key {key!r} is a section; give a mapping, not {v!r}")
-            _apply(cur, v, key + ".")
+            apply_overrides(cur, v, key + ".")
         else:
             setattr(obj, k, _coerce(key, v, hints[k]))
 
 
 def validate(cfg: Config) -> Config:
-    flat = _flatten(cfg.to_dict())
+    flat = flatten(cfg.to_dict())
     for key, allowed in _CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"config key {key!r}: value {flat[key]!r} is not allowed; choose one of {', '.join(allowed)}")
@@ -328,11 +328,11 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and k not in ("spec", "runtime_env"):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -393,11 +393,11 @@ def load_config(preset: str | None = "tiny", path: str | Path | None = None, ove
         layers.append(_load_yaml(Path(path)))
     layers += [parse_override(o) for o in overrides]
     for layer in layers:
-        _apply(cfg, layer)
+        apply_overrides(cfg, layer)
     return validate(cfg)
 
 
 def config_from_dict(d: dict) -> Config:
     cfg = Config()
-    _apply(cfg, d)
+    apply_overrides(cfg, d)
     return validate(cfg)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 
+from diffrlhf.actors.scheduler import local_resources, resource_problems, role_requests
 from diffrlhf.policy.models import ModelNotFoundError, resolve_model
 from diffrlhf.policy.prompts import load_prompts
-from diffrlhf.rewards import MissingWeightsError, RewardSpecError, check_spec
+from diffrlhf.rewards import MissingWeightsError, RewardContractError, RewardSpecError, check_spec, custom_names, trial_call, uses_prompts
 from diffrlhf.rewards import check_prompts as check_reward_reads_prompts
 from diffrlhf.rewards.clip_tokenizer import CONTEXT_LENGTH, tokenize
 
@@ -36,6 +37,10 @@ class ModelInputError(InputError):
     pass
 
 
+class ResourceInputError(InputError):
+    pass
+
+
 def check_run_inputs(cfg) -> list[str]:
     """Raise an InputError for the first input that cannot work; return the warnings (say them once)."""
     warnings = check_reward(cfg)
@@ -44,6 +49,8 @@ def check_run_inputs(cfg) -> list[str]:
         resolve_model(cfg.model.name)
     except ModelNotFoundError as e:
         raise ModelInputError(f"model.name={cfg.model.name}: {e}") from None
+    warnings += check_custom_reward_output(cfg, prompt_lists["prompts.train"])
+    check_local_resources(cfg)
     warnings += replay_warnings(cfg) + tracker_warnings(cfg, len(prompt_lists["prompts.train"]))
     for key, prompts in prompt_lists.items():
         warnings += long_prompt_warnings(key, prompts)
@@ -69,6 +76,32 @@ def check_reward(cfg) -> list[str]:
     where = "its reward.runtime_env" if cfg.reward.runtime_env not in (None, "auto") else "the cluster's reward nodes"
     return [f"reward.spec={spec}: not usable from this process ({missing_here}); the reward actors run in {where}, "
             "which must have it"]
+
+
+def check_custom_reward_output(cfg, prompts: list[str]) -> list[str]:
+    """A custom reward, called once on test images here: its contract (one finite number per image)
+    is checked before Ray and the actors start. Skipped where its actors run elsewhere."""
+    if not custom_names(cfg.reward.spec) or os.environ.get("RAY_ADDRESS") or cfg.reward.runtime_env not in (None, "auto"):
+        return []
+    try:
+        trial_call(cfg.reward.spec, prompts, cfg.sample.resolution)
+    except RewardContractError as e:
+        if cfg.reward.nan_policy == "drop" and "non-finite" in str(e):
+            return [f"reward.spec: {e}"]
+        raise RewardInputError(f"reward.spec={cfg.reward.spec}: {e}") from None
+    return []
+
+
+def check_local_resources(cfg) -> None:
+    """A local run (no RAY_ADDRESS) on this machine: a request it can never place is an input error
+    before Ray starts. On a cluster the driver checks against the cluster (which may autoscale)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    have = local_resources(cfg)
+    problems = resource_problems(role_requests(cfg), have, [have])
+    if problems:
+        raise ResourceInputError(f"this machine ({have.get('CPU', 0):g} CPU, {have.get('GPU', 0):g} GPU) can never start "
+                                 f"every actor the config asks for: {'; '.join(problems)}")
 
 
 def check_prompts(cfg) -> dict[str, list[str]]:
@@ -101,8 +134,8 @@ def tracker_warnings(cfg, num_prompts: int) -> list[str]:
     advantage.min_count rewards; a run that never gets there trains on batch statistics throughout."""
     a = cfg.advantage
     per_prompt = cfg.train.epochs * cfg.samples_per_epoch() / max(num_prompts, 1)
-    if a.mode != "per_prompt" or per_prompt >= a.min_count:
-        return []
+    if a.mode != "per_prompt" or per_prompt >= a.min_count or not uses_prompts(cfg.reward.spec):
+        return []  # a reward that ignores the prompt loses nothing by batch statistics
     return [f"advantage.mode=per_prompt: {cfg.samples_per_epoch()} samples an epoch over the {num_prompts} prompts of "
             f"prompts.train give a prompt about {per_prompt:.1f} rewards in {cfg.train.epochs} epochs, fewer than "
             f"advantage.min_count={a.min_count}: the run normalises by the batch's mean and std throughout (DDPO's "

@@ -23,7 +23,7 @@ import torch
 
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.policy.prompts import BatchPlan
-from diffrlhf.policy.sampler import SamplingSettings, _noise, run_chain, sample_trajectories
+from diffrlhf.policy.sampler import SamplingSettings, gaussian_noise, run_chain, sample_trajectories
 
 FRESH = -1  # branch step meaning "share only the prompt": each branch draws its own initial noise (a full sample)
 
@@ -74,7 +74,7 @@ def branch_trajectories(components, batch: TrajectoryBatch, step: int, num_branc
     gens = [torch.Generator("cpu").manual_seed(s) for s in seeds]
     shared = max(step, 0)  # recorded steps kept
     if step == FRESH:
-        z = _noise(gens, tuple(batch.latents.shape[2:]), device, dtype) * scheduler.init_noise_sigma
+        z = gaussian_noise(gens, tuple(batch.latents.shape[2:]), device, dtype) * scheduler.init_noise_sigma
         prefix = [z.float().cpu()]
     else:
         prefix = list(rep(batch.latents[:, : step + 1]).unbind(1))
@@ -130,7 +130,7 @@ def sample_branched(components, prompts: list[str], seeds: list[int], settings: 
     embeds = components.encode_prompts([prompts[h] for h in heads])
     gens = [torch.Generator("cpu").manual_seed(int(seeds[h])) for h in heads]
     h_lat = settings.resolution // components.vae_scale_factor
-    z = _noise(gens, (components.unet.config.in_channels, h_lat, h_lat), device, dtype) * components.scheduler.init_noise_sigma
+    z = gaussian_noise(gens, (components.unet.config.in_channels, h_lat, h_lat), device, dtype) * components.scheduler.init_noise_sigma
     pre_latents, pre_logps = run_chain(components, z, timesteps[:branch_step], embeds, negative_embeds, settings, gens)
     rep = lambda x: x.float().cpu().repeat_interleave(group_size, dim=0)  # noqa: E731
     prefix = [rep(x) for x in [z] + pre_latents]

@@ -30,7 +30,7 @@ class SamplingSettings:
                     resolution=self.resolution, negative_prompt=self.negative_prompt)
 
 
-def _noise(generators: list[torch.Generator], shape, device, dtype) -> torch.Tensor:
+def gaussian_noise(generators: list[torch.Generator], shape, device, dtype) -> torch.Tensor:
     return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]).to(device, dtype)
 
 
@@ -46,7 +46,7 @@ def run_chain(components, z: torch.Tensor, timesteps, prompt_embeds: torch.Tenso
     latents, logps = [], []
     for t in timesteps:
         eps = guided_noise_pred(unet, z, t.to(device), prompt_embeds, negative_embeds, settings.guidance_scale)
-        z, logp, _, _ = ddim_step_with_logprob(scheduler, eps, t, z, settings.eta, noise=_noise(gens, latent_shape, device, dtype))
+        z, logp, _, _ = ddim_step_with_logprob(scheduler, eps, t, z, settings.eta, noise=gaussian_noise(gens, latent_shape, device, dtype))
         latents.append(z)
         logps.append(logp)
     return latents, logps
@@ -75,7 +75,7 @@ def sample_trajectories(
     gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]  # CPU generators: same noise on any device
     h = settings.resolution // components.vae_scale_factor
     latent_shape = (unet.config.in_channels, h, h)
-    z = _noise(gens, latent_shape, device, dtype) * scheduler.init_noise_sigma
+    z = gaussian_noise(gens, latent_shape, device, dtype) * scheduler.init_noise_sigma
     steps, all_logp = run_chain(components, z, timesteps, prompt_embeds, negative_embeds, settings, gens)
     all_latents = [z] + steps
     z = all_latents[-1]

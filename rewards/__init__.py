@@ -20,7 +20,7 @@ from ._weights import MissingWeightsError, hf_cached_file
 RewardFn = Callable[[np.ndarray, "list[str]"], np.ndarray]
 Spec = Union[str, Mapping[str, Any]]
 
-__all__ = ["build_reward", "check_prompts", "check_spec", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
+__all__ = ["as_rewards", "build_reward", "check_prompts", "RewardContractError", "trial_call", "uses_prompts", "check_spec", "default_runtime_env", "MissingWeightsError", "NonFiniteRewardError", "RewardFn",
            "RewardSpecError", "WeightedSum", "REWARD_NAMES", "spec_name"]
 
 
@@ -29,9 +29,7 @@ __all__ = ["build_reward", "check_prompts", "check_spec", "default_runtime_env",
 _BUILTINS: dict[str, tuple[str, str]] = {
     "jpeg_compressibility": ("jpeg", "JpegCompressibility"),
     "jpeg_incompressibility": ("jpeg", "JpegIncompressibility"),
-    "jpeg_compressibility_shuffled": ("jpeg", "ShuffledJpegCompressibility"),
     "tinyworld_alignment": ("tinyworld_alignment", "TinyWorldAlignment"),
-    "tinyworld_alignment_shuffled": ("tinyworld_alignment", "ShuffledTinyWorldAlignment"),
     "aesthetic": ("aesthetic", "AestheticScorer.from_spec"),
     "imagereward": ("imagereward", "ImageRewardScorer.from_spec"),
     "imagereward_pkg": ("imagereward", "PackageImageReward"),
@@ -74,6 +72,32 @@ def _split(spec: Spec) -> tuple[str, dict]:
     return str(kw.pop("name")), kw
 
 
+CONTRACT = "a reward returns one number per image (an array of B floats, higher is better)"
+
+
+class RewardContractError(ValueError):
+    """A reward returned something that is not one number per image."""
+
+
+def as_rewards(name: str, values, n: int) -> np.ndarray:
+    """values as float32 [n], or a RewardContractError naming the reward and the contract. Strings
+    are refused even when they parse as numbers ("1.5"): numpy would convert them silently."""
+    raw = np.asarray(values)
+    if raw.dtype.kind == "O":  # e.g. a list mixing numbers and other things: look at each
+        bad = [v for v in raw.reshape(-1) if isinstance(v, (str, bytes)) or not isinstance(v, (int, float, np.number))]
+        if bad:
+            bad = bad[0]
+            raise RewardContractError(f"reward {name!r} returned a {type(bad).__name__} ({bad!r}); {CONTRACT}")
+    elif raw.dtype.kind not in "biuf":
+        kind = {"U": "str", "S": "bytes"}.get(raw.dtype.kind, raw.dtype.name)
+        example = raw.reshape(-1)[0].item() if raw.size else ""
+        raise RewardContractError(f"reward {name!r} returned {kind} values ({example!r}); {CONTRACT}")
+    out = raw.astype(np.float32).reshape(-1)
+    if out.shape != (n,):
+        raise RewardContractError(f"reward {name!r} returned {out.shape[0]} values for {n} images; {CONTRACT}")
+    return out
+
+
 class _Checked:
     """Wraps any reward so the contract holds at the boundary: one float32 per image."""
 
@@ -87,10 +111,7 @@ class _Checked:
         prompts = list(prompts)
         if len(prompts) != len(images):
             raise ValueError(f"reward {self.name!r}: {len(images)} images but {len(prompts)} prompts")
-        out = np.asarray(self.fn(images, prompts), dtype=np.float32).reshape(-1)
-        if out.shape != (len(images),):
-            raise ValueError(f"reward {self.name!r} returned {out.shape[0]} values for {len(images)} images")
-        return out
+        return as_rewards(self.name, self.fn(images, prompts), len(images))
 
     def __getattr__(self, item):  # expose the scorer's attributes (e.g. .model, .components)
         if item == "fn":  # not set yet (e.g. during unpickling): avoid infinite recursion
@@ -286,6 +307,51 @@ def check_spec(spec: Spec, local: bool = True) -> None:
             _check_custom(name, kw)
     else:
         raise RewardSpecError(f"unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}, or 'package.module:callable'")
+
+
+# Rewards that read only the image. Every other one (custom ones included) may depend on the prompt.
+PROMPT_INDEPENDENT = frozenset({"jpeg_compressibility", "jpeg_incompressibility", "aesthetic"})
+
+
+def uses_prompts(spec: Spec) -> bool:
+    """Whether the reward may depend on the prompt (unknown rewards are assumed to)."""
+    if callable(spec) and not isinstance(spec, (str, Mapping)):
+        return True
+    name, kw = _split(spec)
+    if name == "weighted_sum":
+        return any(uses_prompts({k: v for k, v in t.items() if k != "weight"} if isinstance(t, Mapping) else t)
+                   for t in kw.get("terms") or [])
+    return name not in PROMPT_INDEPENDENT
+
+
+def custom_names(spec: Spec) -> list[str]:
+    """The custom ('package.module:callable') rewards a spec uses, weighted_sum terms included."""
+    if callable(spec) and not isinstance(spec, (str, Mapping)):
+        return []
+    name, kw = _split(spec)
+    if name == "weighted_sum":
+        return [n for t in kw.get("terms") or [] for n in custom_names({k: v for k, v in t.items() if k != "weight"}
+                                                                         if isinstance(t, Mapping) else t)]
+    return [name] if ":" in name else []
+
+
+def trial_call(spec: Spec, prompts: list[str], resolution: int, n: int = 2) -> None:
+    """Build the reward and score n test images (mid-grey plus noise, fixed seed) with the first
+    prompts, so a custom reward that breaks the contract (strings, NaN/inf, a wrong length) fails
+    here, before a run starts, with the reward's name. Raises RewardContractError."""
+    rng = np.random.default_rng(0)
+    images = np.clip(128 + rng.normal(0, 40, (n, resolution, resolution, 3)), 0, 255).astype(np.uint8)
+    prompts = [prompts[i % len(prompts)] for i in range(n)] if prompts else [""] * n
+    fn = build_reward(spec)
+    try:
+        out = fn(images, prompts)
+    except RewardContractError:
+        raise
+    except Exception as e:
+        raise RewardContractError(f"reward {spec_name(spec)!r} failed on {n} test images ({type(e).__name__}: {e}); {CONTRACT}") from e
+    if not np.isfinite(out).all():
+        raise RewardContractError(f"reward {spec_name(spec)!r} returned non-finite values {out.tolist()} for {n} test images; {CONTRACT} "
+                                  "(finite; reward.nan_policy=drop drops occasional NaN/inf in a run)")
 
 
 def check_prompts(spec: Spec, prompts: list[str]) -> None:

@@ -24,16 +24,11 @@ class MissingWeightsError(FileNotFoundError):
 
     def __init__(self, reward: str, filename: str = "", searched: Sequence[str] = (), hint: str | None = None):
         self.reward, self.filename, self.searched, self.hint = reward, filename, list(searched), hint
-        lines = [
-            f"reward {reward!r}: weight file {filename!r} not found (runs never download).",
-            "Looked in:",
-            *[f"  - {s}" for s in self.searched],
-            f"Get it with:  diffrlhf fetch-weights {reward}",
-            f"or pass a local path in the reward spec, e.g. {{'name': '{reward}', 'weights': '/path/to/{filename}'}}.",
-        ]
-        if hint:
-            lines.append(hint)
-        self.message = "\n".join(lines)
+        # One line: the CLI prints errors as one line.
+        self.message = (f"reward {reward!r}: weight file {filename!r} not found (runs never download); looked in: "
+                        f"{'; '.join(self.searched) or 'nowhere'}. Get it with `diffrlhf fetch-weights {reward}`, or pass a local "
+                        f"path in the reward spec, e.g. {{'name': '{reward}', 'weights': '/path/to/{filename}'}}"
+                        + (f". {hint}" if hint else ""))
         super().__init__(self.message)
 
     # OSError formats str() from errno/strerror; we want our message. __reduce__ keeps the

@@ -9,7 +9,6 @@ import io
 import numpy as np
 from PIL import Image
 
-from diffrlhf.rewards.control import ShuffledControl
 
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
@@ -33,14 +32,3 @@ class JpegIncompressibility:
 class JpegCompressibility(JpegIncompressibility):
     name = "jpeg_compressibility"
     sign = -1.0
-
-
-class ShuffledJpegCompressibility(ShuffledControl, JpegCompressibility):
-    """A control, not an objective: each image gets the compressibility of the NEXT image in the
-    same call (cyclic). The rewards keep their distribution and each call's mean (so the logged
-    reward mean is still the samples' mean compressibility), but none carries information about
-    its own image, so the expected policy gradient is zero. Training on it measures how far an
-    update rule moves the JPEG size with no reward signal at all (drift), to subtract from a
-    run on the real reward."""
-
-    name = "jpeg_compressibility_shuffled"

@@ -43,7 +43,7 @@ palette colour within 80 RGB), made soft:
 - texture: on the shapes' interior, the fraction of horizontal and of vertical neighbour pairs that
   differ by < 12 RGB, (zmin, zmax), against each texture's value (plain (1, 1), striped (0.58, 1),
   checkered (0.71, 0.71), noisy (0, 0)): p = softmax(-d^2 / (2 * 0.1^2)). The tiny world's VAE does
-  not draw texture (its reconstructions score at chance, deploy/results/alignment_check.md), so
+  not draw texture (its reconstructions score at chance, research/results/alignment_check.md), so
   texture is scored only when asked for (`attributes`).
 
 Images of another size are resized to 64 px first. The tiny world's vocabulary (palette, shapes,
@@ -61,7 +61,6 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from diffrlhf.rewards.control import ShuffledControl
 
 # ----------------------------------------------------------------------------- the tiny world's vocabulary
 
@@ -528,12 +527,3 @@ class TinyWorldAlignment:
     def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
         caps = [parse_caption(p) for p in prompts]  # every caption first: an error before any work
         return np.array([self.score_reading(self.read(im), cap) for im, cap in zip(images, caps)], np.float32)
-
-
-class ShuffledTinyWorldAlignment(ShuffledControl, TinyWorldAlignment):
-    """A control, not an objective (as jpeg_compressibility_shuffled): each image gets the
-    alignment score of the NEXT image in the same call (cyclic), scored against that image's own
-    caption. Same rewards, distribution and per-call mean; none carries information about its own
-    image, so training on it measures an update rule's drift with no reward signal."""
-
-    name = "tinyworld_alignment_shuffled"

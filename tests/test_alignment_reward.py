@@ -212,8 +212,8 @@ def test_prompt_lists_are_checked_before_a_run(tmp_path):
 def test_the_registry_builds_it_and_checks_its_kwargs():
     from diffrlhf.rewards import RewardSpecError
 
-    for name in ("tinyworld_alignment", "tinyworld_alignment_shuffled"):
-        assert name in REWARD_NAMES
+    assert "tinyworld_alignment" in REWARD_NAMES and not any("shuffled" in n for n in REWARD_NAMES)  # controls are research's
+    for name in ("tinyworld_alignment", "research.controls:ShuffledTinyWorldAlignment"):
         check_spec(name)
         check_spec({"name": name, "attributes": ["colour", "count"]})
         assert build_reward(name).name == name
@@ -242,7 +242,7 @@ def test_the_shuffled_control_permutes_the_rewards():
     scenes, images = _scenes(5, seed=7)
     caps = [s.caption() for s in scenes]
     real = build_reward("tinyworld_alignment")(images, caps)
-    fn = build_reward("tinyworld_alignment_shuffled")
+    fn = build_reward("research.controls:ShuffledTinyWorldAlignment")
     got = fn(images, caps)
     np.testing.assert_allclose(got, real[[1, 2, 3, 4, 0]], atol=1e-6)  # image i gets image i+1's reward (own caption)
     assert got.mean() == pytest.approx(real.mean(), abs=1e-6)

@@ -1,11 +1,12 @@
 """The committed DDPO baseline band (deploy/baseline.py), the gain summary, and the curve that draws them."""
+from pathlib import Path
 import json
 import math
 
 import numpy as np
 import pytest
 
-from diffrlhf.deploy.baseline import ddpo_band, gain_summary, summary_line
+from diffrlhf.deploy.baseline import BASELINES_FILE, baselines_from_runs, ddpo_band, gain_summary, summary_line
 from diffrlhf.deploy.config import load_config
 from diffrlhf.deploy.runlog import RunLogger
 
@@ -27,7 +28,7 @@ def _study(tmp_path, cfg, seeds: dict, axes="uniform__none"):
     folder.mkdir(parents=True)
     for seed, means in seeds.items():
         (folder / f"seed{seed}.json").write_text(json.dumps({"seed": seed, "config": config, "records": _records(means)}))
-    return tmp_path
+    return baselines_from_runs(tmp_path)
 
 
 @pytest.fixture
@@ -65,15 +66,25 @@ def test_other_weights_or_a_non_ddpo_study_run_give_no_band(tmp_path, cfg):
     run["model"]["weights_sha256"] = "0123456789abcdef"
     assert ddpo_band(run, root) is None  # only uniform__none runs are the baseline
     root = _study(tmp_path / "b", cfg, {0: [-1.9, -1.8, -1.6]})
+    assert ddpo_band({**run, "model": {**run["model"]}}, root) is not None
     run["model"]["weights_sha256"] = "fedcba9876543210"
     assert ddpo_band(run, root) is None
 
 
+STUDY_RESULTS = Path(__file__).resolve().parents[1] / "research" / "results"
+
+
 def committed_ddpo_seeds() -> int:
     """The study's DDPO runs on the tiny preset's reward, as committed (the study adds seeds over time)."""
-    from diffrlhf.deploy.baseline import RESULTS_DIR
+    return len(list((STUDY_RESULTS / "study" / "runs" / "jpeg_compressibility" / "uniform__none").glob("seed*.json")))
 
-    return len(list((RESULTS_DIR / "study" / "runs" / "jpeg_compressibility" / "uniform__none").glob("seed*.json")))
+
+def test_the_packaged_band_file_is_the_studys_runs():
+    """The package carries the band as one small file; it must be what the committed runs give."""
+    from research.bench.baselines import render
+
+    assert BASELINES_FILE.read_text() == render(STUDY_RESULTS), "rerun: python -m research.bench.baselines"
+    assert BASELINES_FILE.stat().st_size < 100_000
 
 
 def test_the_default_preset_gets_the_committed_study_band():

@@ -1,10 +1,10 @@
-"""The benchmark commands (deploy/bench) at --size tiny, and the study's reach computation."""
+"""The benchmark commands (research/bench) at --size tiny, and the study's reach computation."""
 import json
 
 import numpy as np
 import pytest
 
-from diffrlhf.deploy.bench.study import queries_to_reach, smooth, summarise_suite, table_markdown
+from research.bench.study import queries_to_reach, smooth, summarise_suite, table_markdown
 
 
 # ----------------------------------------------------------------------------- 'queries to reach the baseline'
@@ -64,7 +64,7 @@ def test_no_ratio_when_the_baseline_did_not_learn():
 
 
 def test_sd15_lora_shapes_match_sd15_rank4_adapter():
-    from diffrlhf.deploy.bench.systems import sd15_lora_shapes
+    from research.bench.systems import sd15_lora_shapes
 
     for rank, params in ((4, 797_184), (32, 8 * 797_184)):
         shapes = sd15_lora_shapes(rank)
@@ -85,7 +85,7 @@ def keep_torch_threads():
 
 
 def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads, capsys):
-    from diffrlhf.deploy.bench import study
+    from research.bench import study
 
     args = ["--size", "tiny", "--out", str(tmp_path), "--threads", "1"]
     study.main(args)
@@ -125,7 +125,7 @@ def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_
 def test_systems_tiny_simulated_scaling_and_broadcast(tmp_path):
     """No model is loaded here (simulated roles, broadcast stand-ins): only Ray start-up costs."""
     pytest.importorskip("ray")
-    from diffrlhf.deploy.bench import systems
+    from research.bench import systems
 
     calib = {"batch_size": 4, "sample_s_per_batch": 0.05, "score_s_per_batch": 0.01, "update_s_per_sample": 0.005,
              "shapes": {"latents": [4, 4, 4, 4], "prompt_embeds": [77, 32], "images": [32, 32, 3]}}
@@ -147,7 +147,7 @@ def test_systems_tiny_simulated_scaling_and_broadcast(tmp_path):
 
 
 def test_broadcast_plot_reads_files_from_before_the_flat_form(tmp_path):
-    from diffrlhf.deploy.bench.systems import broadcast_medians, plot_broadcast
+    from research.bench.systems import broadcast_medians, plot_broadcast
 
     old = {"ranks": {"4": {"params": 797_184, "mbytes_fp32": 3.2, "rows": [{"actors": 1, "median_s": 0.1}, {"actors": 2, "median_s": 0.2}]}}}
     assert broadcast_medians(old["ranks"]["4"]["rows"], "dict") == [0.1, 0.2] and broadcast_medians(old["ranks"]["4"]["rows"], "flat") == []
@@ -158,7 +158,7 @@ def test_broadcast_plot_reads_files_from_before_the_flat_form(tmp_path):
 @pytest.mark.slow  # two Ray runs whose sampler and learner actors each load diffusers/transformers/peft (~10 s CPU apiece)
 def test_systems_tiny_overhead_and_overlap(tmp_path):
     pytest.importorskip("ray")
-    from diffrlhf.deploy.bench import systems
+    from research.bench import systems
 
     res = systems.main(["--size", "tiny", "--parts", "overhead", "overlap", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "systems.json").read_text())
@@ -172,7 +172,7 @@ def test_systems_tiny_overhead_and_overlap(tmp_path):
 
 
 def test_gpu_bench_tiny_on_cpu(tmp_path):
-    from diffrlhf.deploy.bench import gpu
+    from research.bench import gpu
 
     gpu.main(["--size", "tiny", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "gpu.json").read_text())
@@ -186,7 +186,7 @@ def test_gpu_bench_tiny_on_cpu(tmp_path):
 
 def test_study_does_not_reuse_runs_made_on_other_tiny_world_weights(monkeypatch, tmp_path):
     """Retraining the tiny world keeps its name; saved runs on the old weights must be refused."""
-    from diffrlhf.deploy.bench import study
+    from research.bench import study
     from diffrlhf.tinyworld import weights as tinyworld
 
     cfg = study.make_config("full", "jpeg_compressibility", 2, [])
@@ -199,7 +199,7 @@ def test_study_does_not_reuse_runs_made_on_other_tiny_world_weights(monkeypatch,
 
 
 def test_drift_control_pairs_seeds_and_subtracts_the_shuffled_runs_gain():
-    from diffrlhf.deploy.bench.drift import drift_rows
+    from research.bench.drift import drift_rows
 
     def run(seed, rewards, heldout):
         recs = [{"reward_queries": 8 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)]
@@ -223,7 +223,7 @@ def test_paired_t_test_matches_closed_forms_and_scipy():
     """Student's t tail against its closed forms (df 1: Cauchy; df 2), and scipy where installed."""
     import math
 
-    from diffrlhf.deploy.bench.common import paired_test, t_quantile, t_sf2
+    from research.bench.common import paired_test, t_quantile, t_sf2
 
     for t in (0.0, 0.3, 1.0, 2.5, 12.0):
         assert t_sf2(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
@@ -242,7 +242,7 @@ def test_paired_t_test_matches_closed_forms_and_scipy():
 
 
 def test_drift_compares_each_variant_to_the_baseline_paired_by_seed():
-    from diffrlhf.deploy.bench.drift import drift_rows
+    from research.bench.drift import drift_rows
 
     def run(seed, rewards, heldout=None):
         return {"seed": seed, "records": [{"reward_queries": 8 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)],
@@ -267,12 +267,12 @@ def test_drift_compares_each_variant_to_the_baseline_paired_by_seed():
     raw, net = v["heldout_raw_vs_baseline"], v["heldout_vs_baseline"]
     assert raw["n"] == 3 and raw["mean"] == pytest.approx((0.5 + 0.5 - 0.1) / 3) and raw["above"] == 2
     assert net["mean"] == pytest.approx(raw["mean"] - 5.0) and net["above"] == 0
-    from diffrlhf.deploy.bench.drift import table_markdown
+    from research.bench.drift import table_markdown
     assert f"| v | 3 | {raw['mean']:+.3f} |" in table_markdown("r", "c", [base, v])
 
 
 def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
-    from diffrlhf.deploy.bench.drift import net_cost_rows, net_curves
+    from research.bench.drift import net_cost_rows, net_curves
 
     def run(seed, rewards):
         return {"seed": seed, "records": [{"reward_queries": 10 * (i + 1), "reward_mean": r} for i, r in enumerate(rewards)]}
@@ -288,7 +288,7 @@ def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
     assert good["seeds"] == [0] and good["reach"]["queries"] == {"baseline": 60.0, "variant": 40.0, "ratio": 1.5,
                                                          "held_variant": 40.0, "held_ratio": 1.5}
     assert drifty["reach"]["queries"]["held_variant"] is None
-    from diffrlhf.deploy.bench.drift import net_cost_markdown
+    from research.bench.drift import net_cost_markdown
     md = net_cost_markdown([base, drifty, good])
     assert "| drifty | 1 | +0.0000 | not reached (< 1.00x) |" in md and md.count("not reached |") == 1  # never reached: not "falls below"
     assert "| good | 1 | +3.0000 | 40 (1.50x) |" in md and md.rstrip().endswith("| 40 (1.50x) | - |")  # held at 40; no passes axis
@@ -296,7 +296,7 @@ def test_net_cost_to_reach_subtracts_each_seeds_drift_before_reaching():
 
 def test_drift_reads_only_the_chosen_variants_of_a_suite(tmp_path):
     """drift --suite S --only V: the suite's baseline and V, from a study folder that holds no other variant."""
-    from diffrlhf.deploy.bench import drift, study
+    from research.bench import drift, study
 
     def fake(seed, slope):
         recs = [{"epoch": e, "reward_mean": -1.8 + slope * e + 0.01 * seed, "reward_queries": 32 * (e + 1), "samples": 32,
@@ -327,7 +327,7 @@ def test_drift_plot_gives_each_of_many_variants_its_own_colour_and_its_control_t
     """Past the default cycle's 10 colours (the evidence suite has 11 variants) no two variants share a colour."""
     from matplotlib.colors import to_rgba
 
-    from diffrlhf.deploy.bench import drift
+    from research.bench import drift
 
     plt = drift.pyplot()
     figures = []
@@ -349,7 +349,7 @@ def test_drift_plot_gives_each_of_many_variants_its_own_colour_and_its_control_t
 def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(tmp_path, capsys):
     """Two settings made with drift from fake runs: a variant separated and >= 3x in one setting only
     passes neither all-settings test; one not run in a setting is 'not run' there and fails both."""
-    from diffrlhf.deploy.bench import drift, evidence_table, study
+    from research.bench import drift, evidence_table, study
 
     def fake(seed, slope):  # each seed learns a little faster than the last, so the paired differences vary
         spike = slope == "spike"  # jumps to +0.3 at epoch 1, back to the start by the end; held-out below ddpo

@@ -10,8 +10,8 @@ import pytest
 from diffrlhf.actors.settings import REWARD_PYTHON_ENV, reward_runtime_env, sampling_settings, update_settings
 from diffrlhf.buffer import advantages, replay
 from diffrlhf.deploy import config
-from diffrlhf.deploy.bench import study
-from diffrlhf.deploy.config import Config, ConfigError, _flatten, load_config
+from research.bench import study
+from diffrlhf.deploy.config import Config, ConfigError, flatten, load_config
 from diffrlhf.learner import timesteps, weighting
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
 from diffrlhf.learner.update import ALGORITHMS, LOGPROB_MODES, PolicyLearner, UpdateSettings
@@ -73,7 +73,7 @@ def test_update_settings_carry_every_learner_key_of_the_config():
               "grad_accum_steps": 3, "weighting": "gaussian_mid", "gaussian_width": 0.33, "logprob_mode": "recompute",
               "eta": 0.7, "guidance_scale": 3.5, "algorithm": "dpok", "kl_coef": 0.05, "reward_scale": 2.0}
     assert values.keys() == update_fields
-    defaults = _flatten(Config().to_dict())
+    defaults = flatten(Config().to_dict())
     assert all(values[f] != defaults[update_key(f)] for f in values), "pick values that differ from the defaults"
     cfg = load_config(None, overrides=[f"{update_key(f)}={v}" for f, v in values.items()])
     s = update_settings(cfg)
@@ -87,7 +87,7 @@ def test_sampling_settings_carry_every_sampler_key_of_the_config():
     assert set(fields(config.SampleConfig)) - NOT_SAMPLER == set(fields(SamplingSettings))
     values = {"num_steps": 7, "eta": 0.5, "guidance_scale": 2.0, "resolution": 48, "negative_prompt": "blurry"}
     assert values.keys() == set(fields(SamplingSettings))
-    defaults = _flatten(Config().to_dict())
+    defaults = flatten(Config().to_dict())
     assert all(values[f] != defaults[f"sample.{f}"] for f in values)
     s = sampling_settings(load_config(None, overrides=[f"sample.{f}={v}" for f, v in values.items()]))
     assert dataclasses.asdict(s) == values
@@ -105,7 +105,7 @@ def test_lora_defaults_are_the_lora_modules():
 
 def _settings_calls():
     """(file, line, class name, {keyword: constant}) of every SamplingSettings/UpdateSettings call with arguments."""
-    for layer in ("deploy", "actors", "learner", "policy", "tinyworld", "rewards", "buffer"):
+    for layer in ("deploy", "actors", "learner", "policy", "tinyworld", "rewards", "buffer", "research"):
         for path in sorted((ROOT / layer).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
@@ -117,7 +117,7 @@ def _settings_calls():
 def test_settings_are_built_from_a_config_in_one_place_and_never_restate_defaults():
     calls = list(_settings_calls())
     # actors/settings.py builds them from a config; the GPU benchmark passes SD1.5's explicit values.
-    assert {f for f, *_ in calls} == {"actors/settings.py", "deploy/bench/gpu.py"}, calls
+    assert {f for f, *_ in calls} == {"actors/settings.py", "research/bench/gpu.py"}, calls
     defaults = {"SamplingSettings": SamplingSettings(), "UpdateSettings": UpdateSettings()}
     restated = [(f, line, k) for f, line, cls, consts in calls for k, v in consts.items() if getattr(defaults[cls], k) == v]
     assert not restated, f"keyword arguments equal to the default (leave them out): {restated}"

@@ -1,11 +1,11 @@
-"""The fault-injection benchmark (deploy/bench/faults.py): its table from hand-made runs, and a
+"""The fault-injection benchmark (research/bench/faults.py): its table from hand-made runs, and a
 sampler kill on the tiny size that must survive with the reference's LoRA."""
 import json
 
 import pytest
 import torch
 
-from diffrlhf.deploy.bench.faults import compare, lora_diff, next_epoch_after, plot, summarise, table_markdown
+from research.bench.faults import compare, lora_diff, next_epoch_after, plot, summarise, table_markdown
 
 
 def fake_run(kind, queries=(8, 16), means=(0.5, 0.6), lora=0.0, injected=True, total=None, stops=(), elapsed=12.0):
@@ -73,7 +73,7 @@ def test_tiny_sampler_kill_survives_with_the_reference_lora(tmp_path):
     while both samplers still have batches to do, and is held until a call of the sampler is running
     (--when busy: a kill between calls is seen by Ray alone), so the driver must see the death and retry."""
     pytest.importorskip("ray")
-    from diffrlhf.deploy.bench import faults
+    from research.bench import faults
 
     res = faults.main(["--size", "tiny", "--epochs", "3", "--n", "1", "--kinds", "sampler", "--window", "0.2", "0.5",
                        "--when", "busy", "--out", str(tmp_path)])

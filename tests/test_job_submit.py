@@ -83,14 +83,14 @@ def submit(env, url, *args, timeout=900):
 
 def test_a_job_without_the_token_is_refused(head):
     env, url = head
-    out = submit({**env, "RAY_AUTH_TOKEN": "not-the-token"}, url, "--", "python", "-c", "print(1)", timeout=120)
+    out = submit({**env, "RAY_AUTH_TOKEN": "not-the-token"}, url, "--", sys.executable, "-c", "print(1)", timeout=120)
     assert out.returncode != 0 and "token" in (out.stdout + out.stderr).lower()
 
 
 def test_ray_job_submit_runs_the_tiny_preset_like_the_reference_loop(head, tmp_path, reference_like_actors):
     env, url = head
     out = submit(env, url, "--runtime-env", "deploy/jobs/runtime_env.yaml", "--working-dir", ".", "--",
-                 "python", "-m", "diffrlhf.deploy.cli", "train", "--preset", "tiny", *OVERRIDES,
+                 sys.executable, "-m", "diffrlhf.deploy.cli", "train", "--preset", "tiny", *OVERRIDES,
                  f"run.out_dir={tmp_path}", "run.name=job")
     assert out.returncode == 0 and "succeeded" in out.stdout + out.stderr, (out.stdout + out.stderr)[-4000:]
     run = tmp_path / "job"

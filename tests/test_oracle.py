@@ -122,9 +122,9 @@ def test_probe_settings_are_checked():
 
 
 def test_the_study_recomputes_the_profile_a_finished_oracle_run_trained_with(monkeypatch):
-    """deploy/bench/closeness reads a saved study run and recomputes its round-0 probe: the profile must
+    """research/bench/closeness reads a saved study run and recomputes its round-0 probe: the profile must
     be the one the run's learner was given (same prompts, noise, policy and reward), not a fresh measurement."""
-    from diffrlhf.deploy.bench import closeness, study
+    from research.bench import closeness, study
 
     cfg = study.make_config("tiny", "tinyworld_alignment", 1, [], ("oracle", "none"), seed=3)
     given = []

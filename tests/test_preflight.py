@@ -24,8 +24,25 @@ def no_start(monkeypatch, tmp_path):
     monkeypatch.delenv("HPS_ROOT", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     (tmp_path / "my_bad_reward.py").write_text(textwrap.dedent("""
+        import numpy as np
+
         def one_arg(images):
             return images
+
+        def strings(images, prompts):
+            return ["good"] * len(images)
+
+        def numeric_strings(images, prompts):
+            return ["1.5"] * len(images)
+
+        def one_short(images, prompts):
+            return np.zeros(len(images) - 1)
+
+        def nans(images, prompts):
+            return np.full(len(images), np.nan)
+
+        def raises(images, prompts):
+            raise KeyError("score")
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "empty.txt").write_text("\n  \n")
@@ -39,10 +56,19 @@ def no_start(monkeypatch, tmp_path):
     ("reward.spec={name: jpeg_compressibility, qualty: 90}", ["reward.spec=", "'qualty'", "it takes: quality"]),
     ("reward.spec={name: weighted_sum, terms: [jpeg_compressibility, {name: nope, weight: 2}]}",
      ["reward.spec=", "weighted_sum term 1", "'nope'"]),
-    ("reward.spec=aesthetic", ["reward.spec=aesthetic", "sac+logos+ava1-l14-linearMSE.pth", "Looked in", "dcache/aesthetic",
+    ("reward.spec=aesthetic", ["reward.spec=aesthetic", "sac+logos+ava1-l14-linearMSE.pth", "looked in", "dcache/aesthetic",
                                "diffrlhf fetch-weights aesthetic"]),
     ("reward.spec=imagereward", ["ImageReward.pt", "diffrlhf fetch-weights imagereward"]),
     ("reward.spec=hpsv2", ["HPS_v2.1_compressed.pt", "diffrlhf fetch-weights hpsv2"]),
+    # a custom reward is called once on test images before Ray: its broken contract is named there
+    ("reward.spec=my_bad_reward:strings", ["reward.spec=my_bad_reward:strings", "returned str values ('good')", "one number per image"]),
+    ("reward.spec=my_bad_reward:numeric_strings", ["returned str values ('1.5')", "one number per image"]),
+    ("reward.spec=my_bad_reward:one_short", ["'my_bad_reward:one_short' returned 1 values for 2 images"]),
+    ("reward.spec=my_bad_reward:nans", ["'my_bad_reward:nans' returned non-finite values", "reward.nan_policy=drop"]),
+    ("reward.spec=my_bad_reward:raises", ["'my_bad_reward:raises' failed on 2 test images (KeyError: 'score')"]),
+    ("reward.spec={name: weighted_sum, terms: [jpeg_compressibility, my_bad_reward:strings]}", ["returned str values"]),
+    # a local run this machine can never place is refused before Ray, naming the key
+    ("system.sampler_gpus=1", ["system.sampler_gpus", "can never start", "0 GPU"]),
     ("prompts.train=/nonexistent.txt", ["prompts.train=/nonexistent.txt", "one prompt per line", "tiny-world-train"]),
     ("prompts.eval={tmp}/empty.txt", ["prompts.eval=", "empty.txt", "no prompts"]),
     ("model.name={tmp}/no-model", ["model.name=", "no-model", "does not exist"]),
@@ -85,13 +111,16 @@ def test_replay_k_above_the_window_is_warned(no_start):
 
 def test_a_per_prompt_tracker_that_never_fills_is_warned(no_start):
     # tiny: 48 training captions, 8 x 4 = 32 samples an epoch: 15 epochs give a caption 10 rewards, under min_count 16
-    def tracker(*extra):
+    def tracker(*extra, reward="tinyworld_alignment"):
         return [w for w in check_run_inputs(load_config("tiny", overrides=["sample.batch_size=8", "sample.batches_per_epoch=4",
-                                                                            *extra])) if "advantage.min_count" in w]
+                                                                            f"reward.spec={reward}", *extra])) if "advantage.min_count" in w]
 
     [w] = tracker("train.epochs=15")
     assert "48 prompts" in w and "about 10.0 rewards in 15 epochs" in w and "advantage.mode=group" in w
     assert tracker("train.epochs=24") == []  # 24 x 32 / 48 = 16: the tracker fills
+    # a reward that ignores the prompt (the default preset's JPEG) loses nothing by batch statistics: no warning
+    assert tracker("train.epochs=15", reward="jpeg_compressibility") == []
+    assert tracker("train.epochs=15", reward="{name: weighted_sum, terms: [jpeg_compressibility, tinyworld_alignment]}")
     assert tracker("train.epochs=15", "advantage.min_count=10") == []
     assert tracker("train.epochs=15", "advantage.mode=group", "sample.samples_per_prompt=4") == []
 

@@ -59,7 +59,7 @@ def test_jpeg_quality_kwarg():
 
 def test_shuffled_jpeg_control_gives_each_image_another_images_reward():
     ims = np.concatenate([rand_images(2, 32), smooth_images(3, 32)])
-    fn = build_reward("jpeg_compressibility_shuffled")
+    fn = build_reward("research.controls:ShuffledJpegCompressibility")
     got = fn(ims, [""] * 5)
     want = -np.array([pil_jpeg_kb(im) for im in ims], dtype=np.float32)
     np.testing.assert_allclose(got, want[[1, 2, 3, 4, 0]], atol=1e-6)  # image i scored as image i+1

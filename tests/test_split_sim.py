@@ -1,5 +1,5 @@
-"""The SIMULATED split-vs-colocated model (deploy/bench/split.py), the colocated preset's placement,
-and the learner-group benchmark's bookkeeping (deploy/bench/learner_group.py).
+"""The SIMULATED split-vs-colocated model (research/bench/split.py), the colocated preset's placement,
+and the learner-group benchmark's bookkeeping (research/bench/learner_group.py).
 
 The model tests assert properties that break when the model does: the closed forms at zero
 overheads, where the best split sits, monotonicity, and which way the split moves with
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from diffrlhf.deploy.bench import split as sim
+from research.bench import split as sim
 
 BUDGETS = [2, 3, 4, 5, 8, 12, 16, 24, 32, 64]
 FRACTIONS = [1.0, 0.5, 0.25]
@@ -169,7 +169,7 @@ def _rank_rows(times, cpu=0.5):
 
 
 def test_learner_group_summary_takes_the_slower_rank_and_skips_the_warmup():
-    from diffrlhf.deploy.bench import learner_group as lg
+    from research.bench import learner_group as lg
 
     ar = {"tiny": {"params": 10, "tensors": 2, "sum_grads_s": [0.002, 0.004], "flat_sum_s": [0.001, 0.001]}}
     r0 = {"rows": _rank_rows([(9.0, 9.0), (2.0, 1.0), (2.0, 1.2)]), "allreduce": ar, "lora_max_abs_diff": 1e-6, "lora_max_abs_value": 0.5}
@@ -193,7 +193,7 @@ def test_learner_group_summary_takes_the_slower_rank_and_skips_the_warmup():
 
 @pytest.mark.slow  # two processes that each import diffusers/peft and build the tiny model twice: 40-90 s on the shared 2 cores
 def test_learner_group_bench_quick_runs(tmp_path):
-    from diffrlhf.deploy.bench import learner_group as lg
+    from research.bench import learner_group as lg
 
     res = lg.main(["--quick", "--repeats", "1", "--allreduce-repeats", "1", "--out", str(tmp_path)])
     s = res["summary"]

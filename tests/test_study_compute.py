@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffrlhf.deploy.bench import study
+from research.bench import study
 
 
 @pytest.fixture()

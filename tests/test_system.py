@@ -1,6 +1,7 @@
 """The Ray system end to end on the tiny random model, in one local Ray with fake GPUs."""
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -223,7 +224,7 @@ def failing_sampler():
 
 def test_an_actor_that_cannot_start_shows_its_whole_error(tmp_path):
     d = Driver(cfg_with("train.epochs=1"), tmp_path / "run", progress=False, worker_classes={"sampler": failing_sampler()})
-    with pytest.raises(RunFailed, match=r"the sampler-\d actor failed to start:\n.*no weights for model 'x' in /cache/x\n"
+    with pytest.raises(RunFailed, match=r"the sampler-\d actor failed to start: .*no weights for model 'x' in /cache/x\n"
                                         r"fetch them with: diffrlhf fetch-weights x"):
         d.run()
     d.shutdown()
@@ -291,3 +292,40 @@ def test_a_colocated_group_pairs_gpus_and_a_dead_rank_is_named_with_the_resume_c
     pairs = list(zip(gpus["learners"], gpus["samplers"]))
     assert all(len(g) == 1 and g == h for g, h in pairs) and pairs[0][0] != pairs[1][0], pairs
 
+
+
+def test_restarts_between_calls_are_counted_and_said_once_each(tmp_path, capsys):
+    """Ray restarts an actor killed while idle without any call of the driver failing: the driver
+    still counts each restart (Ray's own count) in the epoch record and roles.json, one line each."""
+    from diffrlhf.actors.driver import ray_restarts
+
+    def kill_reward_twice(driver, epoch):
+        if epoch != 0:
+            return
+        for n in (1, 2):  # lag 0: the rewards are idle while the next epoch samples
+            ray.kill(driver.rewards[0], no_restart=False)
+            deadline = time.time() + 120
+            while ray_restarts(driver.rewards[0]) != n or not _answers(driver.rewards[0]):
+                assert time.time() < deadline, f"reward-0 not restarted {n} time(s)"
+                time.sleep(0.5)
+
+    d = Driver(cfg_with("train.epochs=2", "system.max_policy_lag=0"), tmp_path / "run", progress=False,
+               on_update=kill_reward_twice)
+    try:
+        records = d.run()
+        stats = {s["role"]: s for s in d.role_stats}
+    finally:
+        d.shutdown()
+    out = capsys.readouterr().out
+    assert [r["ray_restarts"] for r in records] == [0, 2]  # epoch 0's record is written before the kills
+    assert stats["reward-0"]["ray_restarts"] == 2 and stats["sampler-0"]["ray_restarts"] == 0
+    assert out.count("reward-0 was restarted by Ray") == 1 and "(2 restarts of system.max_actor_restarts=" in out
+    assert [r["reward_queries"] for r in records] == [8, 16]  # nothing lost, nothing scored twice
+
+
+def _answers(actor) -> bool:
+    try:
+        ray.get(actor.stats.remote(), timeout=10)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False

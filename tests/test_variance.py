@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffrlhf.actors.workers import SamplerWorker
-from diffrlhf.deploy.bench import variance
+from research.bench import variance
 from diffrlhf.deploy.config import load_config
 from diffrlhf.policy.branching import (FRESH, branch_seed, branch_trajectories, conditional_variances, pearson,
                                        per_step_variance, spearman)
@@ -224,9 +224,9 @@ def test_variance_bench_quick(tmp_path):
 
 
 def test_probe_noise_is_perfect_for_the_whole_grid_and_worse_for_a_small_probe():
-    """deploy/bench/variance.py probe_noise: a sub-grid that is the whole grid gives r = 1 and no
+    """research/bench/variance.py probe_noise: a sub-grid that is the whole grid gives r = 1 and no
     deviation; a small probe of a noisy additive process (step shares known) agrees less on average."""
-    from diffrlhf.deploy.bench.variance import probe_noise
+    from research.bench.variance import probe_noise
 
     rng = np.random.default_rng(0)
     s = np.array([2.0, 1.5, 1.0, 0.5, 0.25, 0.1])

@@ -1,6 +1,6 @@
 """The tiny world's evaluation: does the pretrained model draw what its captions say?
 
-    python -m diffrlhf.tinyworld.pretrain --eval-only --results deploy/results/tinyworld
+    python -m diffrlhf.tinyworld.pretrain --eval-only --results research/results/tinyworld
 
 Samples come from diffusers' stock StableDiffusionPipeline (DDIM, eta 1, the RL preset's guidance),
 checked by the automatic colour check of `scenes.py` on train and held-out captions, beside the

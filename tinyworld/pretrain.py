@@ -1,7 +1,7 @@
 """Pretrain the tiny-world model on CPU: the VAE, then the UNet on its latents; then evaluate it.
 
     python -m diffrlhf.tinyworld.pretrain --out tinyworld/model        # train + write weights
-    python -m diffrlhf.tinyworld.pretrain --eval-only --results deploy/results/tinyworld
+    python -m diffrlhf.tinyworld.pretrain --eval-only --results research/results/tinyworld
 
 Three stages, deterministic for a seed on a given torch build and thread count (2 threads):
 the VAE; the text encoder's two transformer layers (to carry each caption's attributes into its
@@ -33,7 +33,7 @@ from diffrlhf.tinyworld.architecture import (SD15_SCHEDULER_CONFIG, TinySize, bu
 
 # The default TinySize but 4 attention heads (head dim 8/16 instead of 4/8), for faster training.
 SIZE = TinySize(attention_head_dim=4)
-# The UNet's peak learning rate, chosen over 2e-3 and 8e-3 (trials: deploy/results/tinyworld/README.md).
+# The UNet's peak learning rate, chosen over 2e-3 and 8e-3 (trials: research/results/tinyworld/README.md).
 UNET_LR = 4e-3
 
 
@@ -197,7 +197,7 @@ def train_unet(unet, cap_embs, lat_mean, lat_std, scaling, cap_idx, steps, batch
                lr=UNET_LR):
     """Epsilon objective on SD1.5's noise schedule, with caption dropout for classifier-free guidance
     and min-SNR weighting (gamma 1) of a uniform draw of t; gamma and lr were chosen by the trials
-    in deploy/results/tinyworld/README.md (stage 3).
+    in research/results/tinyworld/README.md (stage 3).
 
     cap_embs: the frozen text encoder's output per unique caption, "" last (embed_captions).
     """
@@ -336,7 +336,7 @@ def main(argv=None):
         tww.assemble_folder(args.out, folder)  # evaluate exactly what was written
         from diffrlhf.tinyworld.evaluate import evaluate
 
-        stats = evaluate(folder, args.results or Path("deploy/results/tinyworld"))
+        stats = evaluate(folder, args.results or Path("research/results/tinyworld"))
         print(json.dumps({k: v for k, v in stats.items() if k not in ("per_step", "jpeg_kb_by_texture")}, indent=2))
         for tex, v in stats["jpeg_kb_by_texture"].items():
             print(f"JPEG kB, {tex:9s}: real {v['real']:.3f}  VAE reconstruction {v['vae_reconstruction']:.3f}  sampled {v['sampled']:.3f}")

@@ -1,7 +1,7 @@
 """Fault injection on the Ray system: kill a role at a random moment, finish the run, compare
 it with an uninterrupted run of the same config and seed.
 
-    python -m diffrlhf.deploy.bench.faults [--size full|tiny] [--epochs 4] [--n 2]
+    python -m research.bench.faults [--size full|tiny] [--epochs 4] [--n 2]
         [--kinds sampler reward learner driver] [--seed 0] [--window 0.15 0.85] [--when any|busy]
         [--out DIR] [--runs DIR] [--report-only] [key.sub=value ...]
 
@@ -34,7 +34,7 @@ chosen actor is running, so the driver sees the death and re-sends (a kill betwe
 seen by Ray, which restarts the actor); the default `any` kills at the moment, as a crash would.
 
 Writes faults.json, faults.md (one row per fault, one summary row per kind) and faults.png (epoch
-completion timelines) into deploy/results/faults/ or --out. --size tiny (tiny-random model, 4 DDIM
+completion timelines) into research/results/faults/ or --out. --size tiny (tiny-random model, 4 DDIM
 steps, 32 px, 2 batches of 4 per epoch) checks the command end to end in about 20 s per run.
 """
 from __future__ import annotations
@@ -53,9 +53,9 @@ import numpy as np
 import ray
 
 from diffrlhf.actors.checkpoint import latest_checkpoint, load_checkpoint
-from diffrlhf.actors.driver import Driver, RunFailed, init_ray
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from diffrlhf.actors.driver import Driver, RunFailed, init_ray, ray_restarts
 from diffrlhf.deploy.config import load_config
+from research.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
 
 KINDS = ["sampler", "reward", "learner", "driver"]
 RESUMED = ("learner", "driver")  # faults the run cannot survive in place: it stops and is resumed
@@ -185,17 +185,6 @@ def run_once(cfg, run_dir: Path, kind: str | None = None, delay: float = 0.0, in
     if out["injected"]:
         out["at"]["s_after_start"] = out["at"]["t"] - t_start
     return out
-
-
-def ray_restarts(actor) -> int | None:
-    """How often Ray restarted the actor (proof that a kill the driver never noticed happened);
-    from Ray's private GCS view, so None if that is unavailable."""
-    try:
-        from ray._private.state import actors
-
-        return int(actors(actor._actor_id.hex())["NumRestarts"])
-    except Exception:
-        return None
 
 
 # ----------------------------------------------------------------------------- comparing with the reference
@@ -356,7 +345,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--window", type=float, nargs=2, default=[0.15, 0.85], help="fractions of the reference's wall time")
     ap.add_argument("--when", choices=["any", "busy"], default="any",
                     help="busy: hold a sampler/reward kill until a call of that actor is running")
-    ap.add_argument("--out", help="default deploy/results/faults")
+    ap.add_argument("--out", help="default research/results/faults")
     ap.add_argument("--runs", help="keep the run folders here (default: a temporary folder, deleted)")
     ap.add_argument("--report-only", action="store_true", help="rewrite faults.md and faults.png from faults.json")
     ap.add_argument("overrides", nargs="*", help="config overrides on the tiny preset, key.sub=value")

@@ -1,7 +1,7 @@
 """Does a weighting's closeness to the measured per-step variance predict its gain? (issue 20)
 
-    python -m diffrlhf.deploy.bench.closeness --reward tinyworld_alignment --suite evidence
-        [--study deploy/results/study] [--variance deploy/results/variance/variance_<reward>.json] [--threads 1]
+    python -m research.bench.closeness --reward tinyworld_alignment --suite evidence
+        [--study research/results/study] [--variance research/results/variance/variance_<reward>.json] [--threads 1]
         [the study's overrides, key.sub=value ...]
 
 For each weighting variant of the suite (weights only: no replay, DDPO's steps) with runs on the
@@ -29,9 +29,9 @@ import torch
 
 from diffrlhf.actors import oracle
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
-from diffrlhf.deploy.bench.common import log, pyplot, write_json
-from diffrlhf.deploy.bench.drift import _signed_pm as _pm, drift_rows, load_runs
-from diffrlhf.deploy.bench.study import DDPO_STEPS, RUN_SIZES, SUITES, check_reusable, full_axes, make_config
+from research.bench.common import log, pyplot, write_json
+from research.bench.drift import signed_pm as _pm, drift_rows, load_runs
+from research.bench.study import DDPO_STEPS, RUN_SIZES, SUITES, check_reusable, full_axes, make_config
 from diffrlhf.policy.branching import pearson, spearman
 from diffrlhf.policy.prompts import load_prompts
 
@@ -154,8 +154,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reward", required=True)
     ap.add_argument("--control", help="default: <reward>_shuffled")
     ap.add_argument("--suite", default="evidence", choices=sorted(SUITES))
-    ap.add_argument("--study", type=Path, default=Path("deploy/results/study"))
-    ap.add_argument("--variance", type=Path, help="default: deploy/results/variance/variance_<reward>.json")
+    ap.add_argument("--study", type=Path, default=Path("research/results/study"))
+    ap.add_argument("--variance", type=Path, help="default: research/results/variance/variance_<reward>.json")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--name", help="the result files' stem in the study folder (default closeness_<reward>); e.g. a second "
                                    "read against another --variance measurement")
@@ -163,9 +163,9 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    variance_path = args.variance or Path("deploy/results/variance") / f"variance_{args.reward}.json"
+    variance_path = args.variance or Path("research/results/variance") / f"variance_{args.reward}.json"
     if not variance_path.exists():
-        raise SystemExit(f"closeness: no variance measurement {variance_path}; run python -m diffrlhf.deploy.bench.variance "
+        raise SystemExit(f"closeness: no variance measurement {variance_path}; run python -m research.bench.variance "
                          f"--reward {args.reward} first (or pass --variance)")
     variance = json.loads(variance_path.read_text())
     variants = weighting_variants(args.suite)

@@ -1,6 +1,6 @@
 """REAL (measured on this machine's CPU): a learner group of 2 against one learner, and the all-reduce.
 
-    python -m diffrlhf.deploy.bench.learner_group [--quick] [--repeats 3] [--threads 1] [--allreduce-repeats 20] [--out DIR]
+    python -m research.bench.learner_group [--quick] [--repeats 3] [--threads 1] [--allreduce-repeats 20] [--out DIR]
 
 Update throughput (trajectories/s) of
   1 learner x T torch threads   (PolicyLearner.update on the whole batch), against
@@ -16,7 +16,7 @@ learner and the group see the same batches in the same order, so their LoRAs sho
 float tolerance (checked: `lora_max_abs_diff`).
 Then the all-reduce time per optimizer step (Group.sum_grads_: flatten, all_reduce, copy back; and
 Group.sum_ on the flat tensor alone) for fp32 gradients of the tiny model's LoRA and SD1.5's rank-4
-and rank-32 LoRA on its attention projections (deploy/bench/systems.py sd15_lora_shapes: 797,184
+and rank-32 LoRA on its attention projections (research/bench/systems.py sd15_lora_shapes: 797,184
 and 6,377,472 parameters), median over repeats of the slower rank, after 2 warm-ups.
 
 Default: the `tiny` preset (tiny-world model, 20 DDIM steps, 64 px, 32 trajectories per update in
@@ -24,7 +24,7 @@ mini-batches of 8). --quick: the tiny random model, 3 steps, 32 px, 8 trajectori
 2 repeats (checks the script; its numbers mean little). On a shared 2-core CPU, the two ranks get at
 most the 2 cores; the machine's load average is recorded before and after.
 
-Writes learner_group.json and learner_group.md into deploy/results/learner_group/ or --out.
+Writes learner_group.json and learner_group.md into research/results/learner_group/ or --out.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ import torch
 from diffrlhf.actors.settings import build_policy, sampling_settings
 from diffrlhf.buffer.sharding import shard_batch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
-from diffrlhf.deploy.bench.systems import sd15_lora_shapes
+from research.bench.common import log, machine, median, out_dir, write_json
+from research.bench.systems import sd15_lora_shapes
 from diffrlhf.deploy.config import load_config
 from diffrlhf.learner.distributed import Group, free_port, init_group
 from diffrlhf.policy.prompts import load_prompts, plan_batch
@@ -197,7 +197,7 @@ def markdown(res: dict) -> str:
     lines = [
         f"# Learner group on this machine's CPU: 1 learner x {c['threads']} thread vs 2 learners x {c['threads']} thread (REAL, {res['mode']})",
         "",
-        f"`python -m diffrlhf.deploy.bench.learner_group{' --quick' if res['mode'] == 'quick' else ''}`. Model {c['model']}, "
+        f"`python -m research.bench.learner_group{' --quick' if res['mode'] == 'quick' else ''}`. Model {c['model']}, "
         f"{c['num_steps']} DDIM steps, {c['resolution']} px; {c['rows_per_update']} trajectories per update in mini-batches of "
         f"{c['train_batch_size']} (x{c['grad_accum_steps']} accumulation), timestep_fraction {c['timestep_fraction']:g}, "
         f"weighting {c['weighting']}. torch.distributed gloo over loopback, 2 processes. Machine: {res['machine']['cpu_count']} CPUs, "
@@ -239,12 +239,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, help="timed updates per layout (default 3, quick 2), after one warm-up")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per learner process")
     ap.add_argument("--allreduce-repeats", type=int, help="default 20 (quick 5)")
-    ap.add_argument("--out", help="default deploy/results/learner_group")
+    ap.add_argument("--out", help="default research/results/learner_group")
     ap.add_argument("overrides", nargs="*", help="config overrides on the tiny preset, key.sub=value")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from diffrlhf.deploy.bench import learner_group as this  # spawned processes import the worker by this name
+    from research.bench import learner_group as this  # spawned processes import the worker by this name
 
     mode = "quick" if args.quick else "full"
     overrides = [*(QUICK_OVERRIDES if args.quick else FULL_OVERRIDES), *args.overrides]

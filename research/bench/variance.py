@@ -1,9 +1,9 @@
 """Per-step reward variance, measured by branching (issue 20), against the timestep weightings.
 
-    python -m diffrlhf.deploy.bench.variance [--reward jpeg_compressibility tinyworld_alignment]
+    python -m research.bench.variance [--reward jpeg_compressibility tinyworld_alignment]
         [--trajectories 8] [--branches 4] [--lora runs/<name>/lora/epoch_XXXX] [--ray [--samplers 2]]
         [--quick] [--threads 1] [--out DIR] [key.sub=value ...]
-    python -m diffrlhf.deploy.bench.variance --probe-noise deploy/results/variance/variance_*.json
+    python -m research.bench.variance --probe-noise research/results/variance/variance_*.json
 
 P trajectories are sampled (prompts drawn from prompts.train, tiny-world-train on the tiny preset)
 and recorded. For each trajectory and each level k the chain is branched M times
@@ -22,7 +22,7 @@ recorded trajectories, as the learner measures them on a batch) is scaled to the
 steps' sigma_t^2 and compared with it: Pearson and Spearman correlation, with 95% bootstrap
 intervals over trajectories (the shares and the measured profiles resampled together).
 
-Outputs in deploy/results/variance/ (or --out): variance_<reward>.json (everything, with the raw
+Outputs in research/results/variance/ (or --out): variance_<reward>.json (everything, with the raw
 reward grid), .md (the table) and .png (sigma_t^2 against the schemes' profiles). --quick: the
 tiny random model, 3 steps, 32 px, P = M = 3, into <out>/quick (checks the command; the numbers
 mean nothing). --lora: the policy after training, a LoRA folder a run saved (its run's
@@ -43,7 +43,7 @@ import torch
 from diffrlhf.actors.driver import init_ray
 from diffrlhf.actors.settings import load_model, sampling_settings
 from diffrlhf.actors.workers import SamplerWorker
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from research.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
 from diffrlhf.deploy.config import load_config
 from diffrlhf.deploy.evaluate import components_of, load_pipeline
 from diffrlhf.learner.weighting import SCHEMES as ALL_SCHEMES, latent_change, oracle_profile, timestep_weights
@@ -52,6 +52,7 @@ from diffrlhf.policy.branching import (FRESH, branch_seed, branch_trajectories, 
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.rewards import build_reward
+from research.controls import reward_spec
 
 QUICK = dict(trajectories=3, branches=3)
 BOOTSTRAP = 2000
@@ -319,7 +320,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows-per-call", type=int, default=16, help="trajectories per branch call (x M branches in one batch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch threads here (default: torch's own) and in each sampler actor (default 1)")
-    ap.add_argument("--out", help="default deploy/results/variance (--quick: its quick/ folder)")
+    ap.add_argument("--out", help="default research/results/variance (--quick: its quick/ folder)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key.sub=value (on top of the tiny preset or the LoRA's run)")
     ap.add_argument("--reanalyse", nargs="+", metavar="JSON", help="only analyse saved variance_<reward>.json files again")
     ap.add_argument("--probe-noise", nargs="+", metavar="JSON",
@@ -328,7 +329,7 @@ def main(argv=None) -> dict:
     if args.reanalyse:
         return {str(f): reanalyse(Path(f)) for f in args.reanalyse}
     if args.probe_noise:
-        return probe_noise_report([Path(f) for f in args.probe_noise], Path(args.out or "deploy/results/variance"))
+        return probe_noise_report([Path(f) for f in args.probe_noise], Path(args.out or "research/results/variance"))
     p_count = args.trajectories or (QUICK["trajectories"] if args.quick else 8)
     m = args.branches or (QUICK["branches"] if args.quick else 4)
     if m < 2 or p_count < 1:
@@ -342,7 +343,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg, run_yaml = build_config(args)
     settings = sampling_settings(cfg)
-    rewards = {name: build_reward(name) for name in args.reward}
+    rewards = {name: build_reward(reward_spec(name)) for name in args.reward}
 
     t_start = time.perf_counter()
     if args.lora:

@@ -1,6 +1,6 @@
 """SIMULATED: sampler:learner GPU splits of this system against colocated layouts, from per-image costs.
 
-    python -m diffrlhf.deploy.bench.split [--budgets 4 8 16 64] [--fractions 1 0.5 0.25] [--rewards 0 0.1 0.5]
+    python -m research.bench.split [--budgets 4 8 16 64] [--fractions 1 0.5 0.25] [--rewards 0 0.1 0.5]
         [--figure-budget 16] [--mfu 0.4] [--broadcast-s S] [--out DIR]
 
 Nothing is run on a GPU: every figure is a closed-form model (no Ray, no torch), labelled SIMULATED.
@@ -11,7 +11,7 @@ Per SD1.5 image (512 px, 50 DDIM steps, CFG), on one GPU:
      --mfu), an ASSUMED achieved rate (default 40% of 989 TFLOP/s, H100/H200 bf16 dense).
   U  update: 3.43 TFLOP per guided forward+backward x 50 x train.timestep_fraction, i.e.
      U = (3.43 / 1.61) S f = 2.13 S f. The tiny world measured on this machine's CPU gives 2.08
-     (deploy/results/systems/systems.json: update s/sample over sampling s/sample, all steps trained).
+     (research/results/systems/systems.json: update s/sample over sampling s/sample, all steps trained).
   R  reward: --rewards, in units of S (0, 0.1 S, 0.5 S).
 Overheads: B, the weight broadcast per policy version (every sampler loads it once per epoch; default
 the measured flat broadcast of the rank-4 LoRA to 16 actors, RESULTS 6); A(n), one gradient
@@ -37,7 +37,7 @@ Where the reward runs (--placements):
             layout, on every GPU in the colocated ones).
 
 Writes split.json, split.md and split.png (throughput against the split for --figure-budget) into
-deploy/results/split/ or --out.
+research/results/split/ or --out.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ FORWARD_TFLOP = 1.61  # one guided UNet call (cond + uncond), one 512 px image, 
 FORWARD_BACKWARD_TFLOP = 3.43  # the same call, forward + backward with LoRA gradients
 STEPS = 50
 UPDATE_OVER_SAMPLE = FORWARD_BACKWARD_TFLOP / FORWARD_TFLOP  # 2.13: U / S at timestep_fraction 1
-SD15_LORA_RANK4_PARAMS = 797_184  # deploy/bench/systems.py sd15_lora_shapes(4) (tests/test_benchmarks.py checks it)
+SD15_LORA_RANK4_PARAMS = 797_184  # research/bench/systems.py sd15_lora_shapes(4) (tests/test_benchmarks.py checks it)
 FLAT_BROADCAST_16_S = 0.0518  # RESULTS 6: flat rank-4 broadcast to 16 actors, median, on the 2-core CPU machine
 PLACEMENTS = ("separate", "shared")
 LAYOUTS = ("disaggregated", "colocated_ddp", "colocated_ray")
@@ -206,7 +206,7 @@ def markdown(res: dict) -> str:
         "# SIMULATED: disaggregated sampler/learner GPUs vs colocated layouts (SD1.5, LoRA rank 4)",
         "",
         "Every number here is SIMULATED: a closed-form model of per-image GPU costs, not a measurement "
-        "(`python -m diffrlhf.deploy.bench.split`; model: `deploy/bench/split.py`). Calibration comes from FLOP counts "
+        "(`python -m research.bench.split`; model: `research/bench/split.py`). Calibration comes from FLOP counts "
         f"(SD1.5 UNet, one guided call: {FORWARD_TFLOP} TFLOP forward, {FORWARD_BACKWARD_TFLOP} TFLOP forward+backward, "
         f"torch's FlopCounterMode, issue 18) and CPU-measured ratios (the tiny world's update/sampling cost per sample on "
         f"2 CPU cores: {p['cpu_update_over_sample']}), not from a GPU: no GPU has run this system.",
@@ -262,7 +262,7 @@ def findings(res: dict) -> list[str]:
 
 
 def plot(res: dict, path: Path) -> None:
-    from diffrlhf.deploy.bench.common import pyplot
+    from research.bench.common import pyplot
 
     plt = pyplot()
     fig_data = res["figure"]
@@ -342,16 +342,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--broadcast-s", type=float, default=FLAT_BROADCAST_16_S)
     ap.add_argument("--allreduce-s", type=float, help="a fixed all-reduce time per optimizer step instead of the ring model")
     ap.add_argument("--preset", default="sd15-ddpo", help="N and k (samples and optimizer steps per epoch) from this preset")
-    ap.add_argument("--out", help="default deploy/results/split")
+    ap.add_argument("--out", help="default research/results/split")
     args = ap.parse_args(argv)
-    from diffrlhf.deploy.bench.common import RESULTS_DIR, log, out_dir, write_json
+    from research.bench.common import RESULTS_DIR, log, out_dir, write_json
     from diffrlhf.deploy.config import load_config
 
     cfg = load_config(args.preset)
     n = cfg.samples_per_epoch()
     k = cfg.train.inner_epochs * math.ceil(n / (cfg.train.batch_size * cfg.train.grad_accum_steps))
     try:
-        from diffrlhf.deploy.bench.systems import sd15_lora_shapes
+        from research.bench.systems import sd15_lora_shapes
 
         params = sum(a * b for a, b in sd15_lora_shapes(cfg.model.lora_rank).values())
     except ImportError:

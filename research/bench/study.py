@@ -1,6 +1,6 @@
 """Sample-efficiency study: reward vs reward queries for DDPO and its two additions.
 
-    python -m diffrlhf.deploy.bench.study [--suite ablation weighting replay] [--seeds 3] [--epochs 20]
+    python -m research.bench.study [--suite ablation weighting replay] [--seeds 3] [--epochs 20]
         [--reward jpeg_compressibility jpeg_incompressibility] [--size tiny|full] [--out DIR] [key.sub=value ...]
 
 Suites (every variant has the same hyperparameters except the named axis):
@@ -51,13 +51,14 @@ import torch
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import build_policy, reward_server, sampling_settings
 from diffrlhf.buffer.replay import MODES as REPLAY_MODES
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
-from diffrlhf.deploy.config import Config, _flatten, load_config
+from research.bench.common import TINY_OVERRIDES, log, machine, out_dir, pyplot, write_json
+from diffrlhf.deploy.config import Config, flatten, load_config
 from diffrlhf.learner.timesteps import num_trained_steps
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.tinyworld import weights as tiny_world_weights
+from research.controls import reward_spec, short_name
 
 # Named sets of further overrides a variant can carry as its 5th axis (the other algorithms), each
 # at the same reward-query budget: 32 images an epoch, every branch and group sample scored.
@@ -239,7 +240,7 @@ def make_config(size: str, reward: str, epochs: int, overrides: list[str], axes=
     # The variant's axes and the seed come last: a stray override cannot blur the comparison.
     scheme, replay, selection, fraction, *algo = full_axes(axes)
     extra = [o for a in algo for o in ALGORITHM_VARIANTS[a]]
-    return load_config("tiny", overrides=[*RUN_SIZES[size]["overrides"], f"reward.spec={reward}", f"train.epochs={epochs}",
+    return load_config("tiny", overrides=[*RUN_SIZES[size]["overrides"], f"reward.spec={reward_spec(reward)}", f"train.epochs={epochs}",
                                           *overrides, f"weighting.scheme={scheme}", f"replay.mode={replay}",
                                           f"train.timestep_selection={selection}", f"train.timestep_fraction={fraction}",
                                           *extra, f"run.seed={seed}"])
@@ -249,6 +250,7 @@ def identity(cfg) -> dict:
     """What must match for a saved run to be reused (everything but the seed and output names)."""
     d = cfg.to_dict()
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("seed", "out_dir", "name")}
+    d["reward"]["spec"] = short_name(d["reward"]["spec"])  # the controls' runs were saved under their short names
     if d["model"]["name"] == "tiny-world":
         # The name stays when the committed weights are retrained; runs on other weights don't mix.
         d["model"]["weights_sha256"] = tiny_world_weights.recorded_digest()[:16]
@@ -259,8 +261,8 @@ def check_reusable(path: Path, saved: dict, cfg) -> None:
     """A saved run is reused if its config is this one. A key added to the config after the run was
     saved counts as equal at its default: defaults of new keys keep the old behaviour (checked for
     train.timestep_selection by tests/test_timesteps.py, bit for bit against a saved run)."""
-    a, b = _flatten(saved["config"]), _flatten(identity(cfg))
-    defaults = _flatten(Config().to_dict())
+    a, b = flatten(saved["config"]), flatten(identity(cfg))
+    defaults = flatten(Config().to_dict())
     a.update({k: defaults[k] for k in set(b) - set(a) if k in defaults})
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if diff:
@@ -300,7 +302,7 @@ def run_one(cfg, path: Path, eval_samples: int, tag: str, algo: tuple = ()) -> d
     axes = [cfg.weighting.scheme, cfg.replay.mode]
     if (cfg.train.timestep_selection, cfg.train.timestep_fraction) != DDPO_STEPS or algo:
         axes += [cfg.train.timestep_selection, cfg.train.timestep_fraction, *algo]
-    result = {"seed": cfg.run.seed, "axes": axes, "reward": cfg.reward.spec,
+    result = {"seed": cfg.run.seed, "axes": axes, "reward": short_name(cfg.reward.spec),
               "config": identity(cfg), "records": records, "eval": evals or None, "wall_s": time.time() - t0, "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, result)
@@ -480,7 +482,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-samples", type=int, help="held-out images per run (0: none); default 32 (full), 4 (tiny)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--report-only", action="store_true", help="only tabulate and plot the runs already saved")
-    ap.add_argument("--out", help="default deploy/results/study")
+    ap.add_argument("--out", help="default research/results/study")
     ap.add_argument("--only", nargs="+", metavar="VARIANT",
                     help="run only these variants of the suites (labels as in their tables, e.g. uniform ddim_std); "
                          "the report still shows every variant, the others from their saved runs (0 seeds if none)")

@@ -1,9 +1,9 @@
 """One table across rewards (and horizons): which variants beat DDPO net of drift, and by how much.
 
-    python -m diffrlhf.deploy.bench.evidence_table \\
-        --drift "JPEG, 15 epochs=deploy/results/study/drift_evidence_jpeg_compressibility.json" \\
-                "alignment, 15 epochs=deploy/results/study_alignment/drift_evidence_tinyworld_alignment.json" \\
-        --out deploy/results/evidence_summary
+    python -m research.bench.evidence_table \\
+        --drift "JPEG, 15 epochs=research/results/study/drift_evidence_jpeg_compressibility.json" \\
+                "alignment, 15 epochs=research/results/study_alignment/drift_evidence_tinyworld_alignment.json" \\
+        --out research/results/evidence_summary
 
 Reads the JSON that `drift` wrote for each reward (its first row is the baseline, DDPO) and puts
 the issue's two tests side by side for every variant found in the first file:
@@ -30,12 +30,12 @@ import argparse
 import json
 from pathlib import Path
 
-from diffrlhf.deploy.bench.common import write_json
+from research.bench.common import write_json
 
 
 def load_drift(path: Path) -> dict:
     if not path.exists():
-        raise SystemExit(f"--drift: {path} does not exist; run `python -m diffrlhf.deploy.bench.drift` for that study first")
+        raise SystemExit(f"--drift: {path} does not exist; run `python -m research.bench.drift` for that study first")
     data = json.loads(path.read_text())
     if not data.get("rows"):
         raise SystemExit(f"--drift: {path} has no rows; is it a file that `drift` wrote?")
@@ -156,7 +156,7 @@ def main(argv=None) -> list[dict]:
     for spec in args.drift:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
-            ap.error(f"--drift {spec!r}: expected LABEL=PATH, e.g. 'JPEG, 15 epochs=deploy/results/study/drift_evidence_jpeg_compressibility.json'")
+            ap.error(f"--drift {spec!r}: expected LABEL=PATH, e.g. 'JPEG, 15 epochs=research/results/study/drift_evidence_jpeg_compressibility.json'")
         if label in files:
             ap.error(f"--drift: the label {label!r} is given twice")
         files[label], paths[label] = load_drift(Path(path)), path

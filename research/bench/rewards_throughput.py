@@ -1,6 +1,6 @@
 """Reward throughput, images/s at a fixed batch size, for every reward.
 
-    python -m diffrlhf.deploy.bench.rewards_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
+    python -m research.bench.rewards_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
                                                        [--rewards jpeg_compressibility aesthetic ...]
 
 Learned models use random weights of the real sizes (no downloads): CLIP ViT-L/14 vision tower

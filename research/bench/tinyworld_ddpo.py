@@ -1,6 +1,6 @@
 """Does DDPO move JPEG compressibility on the tiny world? A ~10 minute CPU check with the core loop.
 
-    python -m diffrlhf.deploy.bench.tinyworld_ddpo [--epochs 20] [override ...]
+    python -m research.bench.tinyworld_ddpo [--epochs 20] [override ...]
     e.g. ... train.lr=0.01 train.clip_range=0.01
 
 Runs the single-process reference loop (actors/reference_loop.py::run_reference) on the `tiny`
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from diffrlhf.actors.reference_loop import run_reference
-from diffrlhf.deploy.bench.common import RESULTS_DIR, pyplot
+from research.bench.common import RESULTS_DIR, pyplot
 from diffrlhf.deploy.config import load_config
 
 

@@ -1,6 +1,6 @@
 """SD1.5-size throughput on one GPU, with random weights (no hub access needed).
 
-    python -m diffrlhf.deploy.bench.gpu [--size full|tiny] [--dtypes float16 bfloat16] [--sample-batches 1 2 4 8 16]
+    python -m research.bench.gpu [--size full|tiny] [--dtypes float16 bfloat16] [--sample-batches 1 2 4 8 16]
         [--update-batches 1 2 4 8] [--steps 50] [--peak-tflops 989] [--out DIR]
 
 Builds SD1.5's UNet (block_out_channels 320/640/1280/1280, 2 layers per block, cross-attention
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from diffrlhf.deploy.bench.common import log, machine, median, out_dir, write_json
+from research.bench.common import log, machine, median, out_dir, write_json
 from diffrlhf.learner.lora import DEFAULT_RANK
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.ddim import guided_noise_pred
@@ -215,7 +215,7 @@ def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
     ok_updates = [r for r in update if "error" not in r]
     if last and ok_updates:
         u = ok_updates[-1]
-        calib = {"source": f"deploy.bench.gpu {args.size} {dtype_name} on {machine()['gpu'] or 'cpu'}", "batch_size": last["batch"],
+        calib = {"source": f"research.bench.gpu {args.size} {dtype_name} on {machine()['gpu'] or 'cpu'}", "batch_size": last["batch"],
                  "sample_s_per_batch": last["seconds"],
                  "score_s_per_batch": scoring_seconds(batch) * last["batch"] / len(batch),
                  "update_s_per_sample": u["seconds"] / u["batch"],
@@ -241,7 +241,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=1, help="timed repeats per measurement (median), after one warm-up")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16/fp16 peak (H100/H200 SXM: 989)")
     ap.add_argument("--device", help="default cuda (full), cpu (tiny)")
-    ap.add_argument("--out", help="default deploy/results/gpu")
+    ap.add_argument("--out", help="default research/results/gpu")
     args = ap.parse_args(argv)
     d = MODEL_SIZES[args.size]
     for k in ("dtypes", "sample_batches", "update_batches", "steps", "resolution", "device"):

@@ -1,6 +1,6 @@
 """Systems benchmarks of the Ray pipeline, in one local Ray.
 
-    python -m diffrlhf.deploy.bench.systems [--parts overhead overlap scale broadcast] [--size tiny|full]
+    python -m research.bench.systems [--parts overhead overlap scale broadcast] [--size tiny|full]
         [--epochs 6] [--samplers 1 2 4 8 16] [--rewards 1 2 3 4] [--calib FILE.json] [--out DIR] [key.sub=value ...]
 
 overhead   samples/s of the Ray system vs the single-process reference loop on the same config
@@ -26,7 +26,7 @@ broadcast  time from one ray.put of a LoRA to N actors (num_cpus=0.01) all holdi
            forms (dict, flat, noop, dict, ...); median/min/max of --repeats per form and the ratio
            dict/flat (JSON "schema": 2; schema-1 files hold the dict form only, still plotted).
 
-Writes systems.json (+ scale.png, broadcast.png, overlap.png) into deploy/results/systems/ or --out.
+Writes systems.json (+ scale.png, broadcast.png, overlap.png) into research/results/systems/ or --out.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from diffrlhf.actors.driver import Driver
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker, timed
 from diffrlhf.buffer.trajectory import TrajectoryBatch
-from diffrlhf.deploy.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
+from research.bench.common import TINY_OVERRIDES, log, machine, median, out_dir, pyplot, write_json
 from diffrlhf.learner.lora import copy_flat_into, flatten_lora_state, one_tensor_under, tile_in_one_tensor
 from diffrlhf.rewards.serving import ScoreResult
 
@@ -538,7 +538,7 @@ def main(argv=None) -> dict:
                                     "and shapes {latents, prompt_embeds, images} (default: measured by the overhead run)")
     ap.add_argument("--sim-speedup", type=float, default=1.0, help="scale simulation: sleep calibrated time / K (see scale())")
     ap.add_argument("--repeats", type=int)
-    ap.add_argument("--out", help="default deploy/results/systems")
+    ap.add_argument("--out", help="default research/results/systems")
     ap.add_argument("overrides", nargs="*", help="config overrides on the tiny preset, key.sub=value")
     args = ap.parse_args(argv)
     d = PART_SIZES[args.size]

@@ -1,8 +1,8 @@
 """Validate the tinyworld_alignment reward before it is used (issue 20):
 
-    python -m diffrlhf.deploy.bench.alignment_check [--n-real 300] [--n-rec 128] [--n-study 64] [--n-full 32] [--threads 1]
+    python -m research.bench.alignment_check [--n-real 300] [--n-rec 128] [--n-study 64] [--n-full 32] [--threads 1]
 
-writes deploy/results/alignment_check.json, .md and alignment_check_samples.png (or --out DIR).
+writes research/results/alignment_check.json, .md and alignment_check_samples.png (or --out DIR).
 
 1. Prompt lists: every caption of tiny-world-train (48) and tiny-world-eval (16) parses.
 2. Real rendered images (tinyworld.scenes.render of random scenes, every attribute known and
@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffrlhf.deploy.bench.common import RESULTS_DIR, log, machine, write_json
+from research.bench.common import RESULTS_DIR, log, machine, write_json
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.rewards import build_reward
+from research.controls import reward_spec
 from diffrlhf.rewards import tinyworld_alignment as ta
 from diffrlhf.tinyworld import scenes as tw
 from diffrlhf.tinyworld import weights as tww
@@ -153,7 +154,7 @@ def fmt(d: dict) -> str:
 def markdown(res: dict) -> str:
     m = res["machine"]
     L = ["# tinyworld_alignment: validation", "",
-         f"`python -m diffrlhf.deploy.bench.alignment_check {res['args']}` ({m['date']}, {m['cpu_count']} CPUs, "
+         f"`python -m research.bench.alignment_check {res['args']}` ({m['date']}, {m['cpu_count']} CPUs, "
          f"torch threads {m['torch_threads']}, load average at start {m['load_average'][0]:.1f}, took {res['seconds']:.0f} s).", "",
          "Top-1: the true value's attribute score is strictly the highest of all the attribute's values. Pairwise: the reward "
          "of the image's own caption (every attribute stated) is strictly above that of a caption that changes this attribute "
@@ -249,7 +250,7 @@ def main(argv=None) -> int:
         i0 += len(ps)
         study["lists"][name] = {"n_prompts": len(ps), "prompts": ps, "reward": dist(r[sl]), "rewards": r[sl].tolist(),
                                 "attributes": {k: dist(v[sl][np.isfinite(v[sl])]) for k, v in comps.items() if np.isfinite(v[sl]).any()}}
-    shuffled = build_reward("tinyworld_alignment_shuffled")(samples, prompts)
+    shuffled = build_reward(reward_spec("tinyworld_alignment_shuffled"))(samples, prompts)
     study["shuffled_mean"] = float(shuffled.mean())
     study["shuffled_corr_with_own"] = float(np.corrcoef(shuffled, r)[0, 1])
     res["samples_study_prompts"] = study

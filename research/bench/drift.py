@@ -1,8 +1,8 @@
 """Drift control: how much of a variant's reward gain it also gets from a reward with no information.
 
-    python -m diffrlhf.deploy.bench.study --suite weighting --reward jpeg_compressibility_shuffled \\
+    python -m research.bench.study --suite weighting --reward jpeg_compressibility_shuffled \\
         --only uniform latent_sq ddim_std gaussian_early gaussian_mid --seeds 3 --epochs 15 --threads 2
-    python -m diffrlhf.deploy.bench.drift [--study deploy/results/study] [--reward jpeg_compressibility]
+    python -m research.bench.drift [--study research/results/study] [--reward jpeg_compressibility]
         [--control jpeg_compressibility_shuffled] [--variants uniform latent_sq ... | --suite compute [--only ...]]
 
 `jpeg_compressibility_shuffled` gives each image the compressibility of another image of its
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diffrlhf.deploy.bench.common import paired_test, pyplot, write_json
-from diffrlhf.deploy.bench.study import SCHEMES, SUITES, YLABEL, cost_axes, cost_to_reach, mean_se, run_path, seed_matrix, smooth
+from research.bench.common import paired_test, pyplot, write_json
+from research.bench.study import SCHEMES, SUITES, YLABEL, cost_axes, cost_to_reach, mean_se, run_path, seed_matrix, smooth
 
 
 def gains(runs: list[dict]) -> dict[int, dict]:
@@ -151,7 +151,7 @@ def net_cost_markdown(rows: list[dict]) -> str:
     return "\n".join(lines + [""])
 
 
-def _signed_pm(v) -> str:
+def signed_pm(v) -> str:
     if v is None:
         return "-"
     return f"{v[0]:+.3f}" if v[1] is None else f"{v[0]:+.3f} ± {v[1]:.3f}"
@@ -164,8 +164,8 @@ def table_markdown(reward: str, control: str, rows: list[dict]) -> str:
              "| variant | seeds | gain (reward) | drift (control) | net | held-out gain | held-out drift | held-out net |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {len(r['seeds'])} | {_signed_pm(r.get('gain'))} | {_signed_pm(r.get('drift'))} | {_signed_pm(r.get('net'))} | "
-                     f"{_signed_pm(r.get('heldout_gain'))} | {_signed_pm(r.get('heldout_drift'))} | {_signed_pm(r.get('heldout_net'))} |")
+        lines.append(f"| {r['variant']} | {len(r['seeds'])} | {signed_pm(r.get('gain'))} | {signed_pm(r.get('drift'))} | {signed_pm(r.get('net'))} | "
+                     f"{signed_pm(r.get('heldout_gain'))} | {signed_pm(r.get('heldout_drift'))} | {signed_pm(r.get('heldout_net'))} |")
     if len(rows) > 1:
         lines += ["", f"Paired by seed against {rows[0]['variant']}: per seed, the variant's net gain minus the baseline's "
                   "(each net of its own shuffled-reward run); mean, 95% confidence interval (Student's t over seeds), "
@@ -234,7 +234,7 @@ def load_runs(study: Path, reward: str, variants: dict[str, tuple]) -> dict[str,
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", type=Path, default=Path("deploy/results/study"))
+    ap.add_argument("--study", type=Path, default=Path("research/results/study"))
     ap.add_argument("--reward", default="jpeg_compressibility")
     ap.add_argument("--control", default="jpeg_compressibility_shuffled")
     ap.add_argument("--variants", nargs="+", default=["uniform", "latent_sq", "ddim_std", "gaussian_early", "gaussian_mid"], choices=SCHEMES,

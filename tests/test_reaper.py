@@ -1,0 +1,65 @@
+"""A local Ray started by `diffrlhf train` is gone within seconds when the CLI is SIGKILLed
+(actors/reaper.py), Ray's agents included (they outlive their starter by about a minute alone)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from diffrlhf.actors.reaper import end_tree
+
+SMALL = ["model.name=tiny-random", "sample.num_steps=2", "sample.resolution=32", "sample.batch_size=2",
+         "sample.batches_per_epoch=1", "train.batch_size=2", "prompts.train=simple_animals", "run.image_grid_every=0",
+         "run.tensorboard=false", "system.num_samplers=1", "train.epochs=200"]
+
+
+def gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_end_tree_ends_a_process_and_descendants_that_ignore_sigterm():
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+            "time.sleep(60)")
+    top = subprocess.Popen([sys.executable, "-c", code])
+    p = psutil.Process(top.pid)
+    deadline = time.time() + 20
+    while not p.children():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    tree = [p, *p.children(recursive=True)]
+    assert end_tree([p], grace_s=1.0) == []
+    top.wait(10)
+    assert all(gone(q) for q in tree)
+
+
+def test_nothing_of_a_local_ray_is_left_10_s_after_the_cli_is_killed(tmp_path):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DIFFRLHF_CACHE": str(tmp_path / "cache")}
+    env.pop("RAY_ADDRESS", None)
+    out_dir, tree = tmp_path / "runs", []
+    cli = subprocess.Popen([sys.executable, "-m", "diffrlhf.deploy.cli", "train", "--no-progress", *SMALL,
+                            f"run.out_dir={out_dir}", "run.name=r"], env=env, cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        metrics, deadline = out_dir / "r" / "metrics.jsonl", time.time() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):  # the actors are up and an epoch is done
+            assert cli.poll() is None, "the CLI ended before its first epoch"
+            assert time.time() < deadline, "no epoch within 240 s"
+            time.sleep(0.5)
+        tree = psutil.Process(cli.pid).children(recursive=True)
+        names = " ".join(" ".join(q.cmdline()) for q in tree if not gone(q))
+        assert "raylet" in names and "gcs_server" in names  # what is to be ended is there
+        cli.send_signal(signal.SIGKILL)
+        cli.wait(10)
+        time.sleep(10)
+        left = [" ".join(q.cmdline())[:120] for q in tree if not gone(q)]
+        assert left == [], left
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        end_tree([q for q in tree if not gone(q)], grace_s=1.0)  # a failed check leaves nothing running either
