@@ -1,10 +1,31 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+# The suite touches nothing outside its own temporary folder: the project's cache, HOME-based caches
+# (~/.cache, ~/.ray, matplotlib's) and Ray's temp dir all go into one sandbox, set before anything
+# (or any Ray worker, subprocess or CLI the tests start, which inherit it) reads them. The path stays
+# short: Ray's socket paths under RAY_TMPDIR must fit in 107 bytes.
+SANDBOX = Path(tempfile.mkdtemp(prefix="drl-tests-"))
+for _var, _sub in [("HOME", "home"), ("DIFFRLHF_CACHE", "home/.cache/diffrlhf"), ("XDG_CACHE_HOME", "home/.cache"),
+                   ("MPLCONFIGDIR", "home/.config/matplotlib"), ("RAY_TMPDIR", "tmp")]:
+    (SANDBOX / _sub).mkdir(parents=True, exist_ok=True)
+    os.environ[_var] = str(SANDBOX / _sub)
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier (`-m quick`): every test that is neither `integration` (starts a Ray cluster, a
+    CLI run or an install in another process) nor `slow`."""
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in ("integration", "slow")):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +76,7 @@ def _reference_like_actors(cfg):
 @pytest.fixture(scope="session")
 def reference_like_actors():
     return _reference_like_actors
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SANDBOX, ignore_errors=True)

@@ -128,6 +128,7 @@ def test_a_name_or_shape_mismatch_raises_naming_the_tensor(tiny):
         load_flat_lora(tiny.unet, flatten_lora_state(missing))
 
 
+@pytest.mark.integration
 def test_ray_round_trip_is_zero_copy_and_loads_exactly():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()

@@ -21,11 +21,13 @@ pytest.importorskip("ray")
 
 from diffrlhf.deploy.config import load_config  # noqa: E402
 
+pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in other processes (not in -m quick)
+
 REPO = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
 # The tiny preset, shortened; lag 0 so the reference loop gives the same numbers.
 OVERRIDES = ["train.epochs=1", "sample.batches_per_epoch=2", "sample.num_steps=8", "system.max_policy_lag=0",
-             "run.image_grid_every=0", "run.tensorboard=false"]
+             "system.num_samplers=1", "run.image_grid_every=0", "run.tensorboard=false"]
 
 
 def free_ports(n: int) -> list[int]:

@@ -23,6 +23,8 @@ from diffrlhf.actors.driver import Driver  # noqa: E402
 from diffrlhf.actors.workers import SamplerWorker  # noqa: E402
 from diffrlhf.deploy.config import load_config  # noqa: E402
 
+pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in other processes (not in -m quick)
+
 SMALL = ["model.name=tiny-random", "model.device=cpu", "sample.num_steps=4", "sample.resolution=32", "sample.batch_size=4",
          "sample.batches_per_epoch=2", "train.batch_size=4", "prompts.train=simple_animals", "run.image_grid_every=0",
          "run.tensorboard=false", "system.num_samplers=2", "system.num_reward_actors=1", "system.idle_timeout_s=240",

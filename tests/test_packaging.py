@@ -20,6 +20,8 @@ from test_docker import DOCKER, copy_sources, dockerignore_patterns, ignored, pa
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.gpu"]
 
+pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in other processes (not in -m quick)
+
 # Run in the installed copy, from a folder outside the checkout: everything a run reads must come
 # from the package (module files, presets, prompts, the tiny world's weights, the band).
 CHECK = r"""
@@ -34,6 +36,7 @@ for m in modules:
 from diffrlhf.deploy.baseline import ddpo_band
 from diffrlhf.deploy.config import load_config, presets
 from diffrlhf.rewards import requirements
+
 loaded = {p: load_config(p).model.name for p in presets()}
 band = ddpo_band(load_config("tiny"))
 print(json.dumps({"modules": len(modules), "presets": loaded, "band_seeds": band and len(band["seeds"]),

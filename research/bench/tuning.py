@@ -1,0 +1,266 @@
+"""Against a tuned DDPO (issue 59): every variant tuned over the same grid on its own seeds, then
+confirmed at its best setting on fresh seeds beside shuffled-reward controls.
+
+    python -m research.bench.tuning plan                       # the pre-registered plan, as RESULTS quotes it
+    python -m research.bench.tuning status [--stage tune]      # done / left per reward and variant, CPU time left
+    python -m research.bench.tuning run --stage tune [--reward R ...] [--variant V ...] [--jobs 2] [--max-runs N]
+    python -m research.bench.tuning report                     # the tuning table (and each variant's chosen setting)
+
+PLAN is the plan: written and committed before any confirmatory run, never edited after (its
+digest is printed by `plan` and quoted in RESULTS). Each run is the study's single-process
+reference loop (research/bench/study.py), saved the moment it finishes to
+<out>/<stage>/<setting>/runs/<reward>/<scheme>__<replay>/seed<k>.json and reused when it exists
+(the study checks that the saved config is this one), so a chunk can be stopped and resumed.
+`--jobs 2` runs two runs at a time, each a process with one torch thread.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+
+from research.bench.common import RESULTS_DIR, log, write_json
+
+# The plan. Rewards, variants, the grid and the seeds are fixed here before the runs; the
+# confirmatory seeds are used by nothing else.
+PLAN = {
+    "rewards": ["jpeg_compressibility", "tinyworld_alignment"],
+    "epochs": 30,  # 32 samples an epoch: 960 reward queries per run
+    "eval_samples": 32,  # held-out images per run (prompts.eval, fixed noise; not training queries)
+    # variant -> (weighting.scheme, replay.mode); "ddpo" is the baseline every comparison is against
+    "variants": {"ddpo": ["uniform", "none"], "ddim_std": ["ddim_std", "none"], "latent_sq": ["latent_sq", "none"],
+                 "hardmine": ["uniform", "hardmine"]},
+    # The same grid, so the same tuning budget, for every variant: learning rate x PPO clip range,
+    # a factor of 3 either side of the tiny preset's 0.01 / 0.01.
+    "grid": {"train.lr": [0.003, 0.01, 0.03], "train.clip_range": [0.003, 0.01, 0.03]},
+    "tuning_seeds": [100, 101, 102],
+    "confirm_seeds": [200, 201, 202, 203, 204],
+    # Tuning picks, per reward and variant, the setting with the highest mean gain over the tuning
+    # seeds (gain = final 3-epoch trailing mean - epoch 0 mean, on the training reward; the study's
+    # definition). Ties: the smaller lr, then the smaller clip range.
+    "selection": "highest mean training gain over the tuning seeds",
+    # Confirmatory runs: each variant at its chosen setting, on the confirm seeds, each seed beside
+    # its shuffled-reward control run (research/controls.py) at the same setting. net = gain - the
+    # same seed's control gain. The comparisons are every non-baseline variant against tuned DDPO,
+    # per reward (6), paired by seed.
+    "primary": ("reward queries to reach the target, target = half of tuned DDPO's mean net gain at the full "
+                "budget (on the seed-mean net curve, 3-epoch trailing mean; first epoch from which it stays at "
+                "or above the target to the end); ratio = DDPO's queries / the variant's, with a seed-bootstrap "
+                "95% interval (10,000 resamples of the confirm seeds, paired)"),
+    "secondary": ["area under the net curve (mean net reward over the 30 epochs), paired difference against DDPO with its 95% t interval",
+                  "final net gain, paired difference against DDPO",
+                  "raw held-out reward, paired difference against DDPO"],
+    # The hypothesis test behind each comparison (the ratio above is its effect size, with its interval):
+    "test": "paired t-test over the confirm seeds of the AUC difference (variant - DDPO), two-sided",
+    "correction": "Holm across the 6 comparisons (3 variants x 2 rewards) at family-wise 0.05",
+    "report": "only comparisons that survive Holm are stated as findings in README, presets and RESULTS' summary",
+}
+
+
+def plan_digest() -> str:
+    return hashlib.sha256(json.dumps(PLAN, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def settings() -> list[dict]:
+    """The grid's settings, in a fixed order (each a dict of override key -> value)."""
+    keys = sorted(PLAN["grid"])
+    return [dict(zip(keys, values)) for values in itertools.product(*(PLAN["grid"][k] for k in keys))]
+
+
+def setting_tag(setting: dict) -> str:
+    return "_".join(f"{k.split('.')[-1]}{v:g}" for k, v in sorted(setting.items()))
+
+
+def overrides_of(setting: dict) -> list[str]:
+    return [f"{k}={v:g}" for k, v in sorted(setting.items())]
+
+
+def tuning_jobs(rewards=None, variants=None) -> list[dict]:
+    """Every tuning run, seed-major (all settings and variants of the first seed first), so a partial
+    chunk still covers every cell once before any cell twice."""
+    jobs = []
+    for seed in PLAN["tuning_seeds"]:
+        for reward in rewards or PLAN["rewards"]:
+            for variant in variants or PLAN["variants"]:
+                for s in settings():
+                    jobs.append({"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
+    return jobs
+
+
+def job_path(out: Path, job: dict) -> Path:
+    from research.bench.study import run_path
+
+    return run_path(out / job["stage"] / setting_tag(job["setting"]), job["reward"], tuple(PLAN["variants"][job["variant"]]), job["seed"])
+
+
+def run_job(out: Path, job: dict, threads: int = 1) -> str:
+    """One run (in this process); returns its file."""
+    import torch
+
+    from research.bench.study import get_run
+
+    torch.set_num_threads(threads)
+    get_run(out / job["stage"] / setting_tag(job["setting"]), "full", job["reward"], PLAN["epochs"], overrides_of(job["setting"]),
+            tuple(PLAN["variants"][job["variant"]]), job["seed"], PLAN["eval_samples"])
+    return str(job_path(out, job))
+
+
+def _run_job_star(args):
+    return run_job(*args)
+
+
+# Measured medians of the committed 30-epoch runs at one thread (issue 59): a first guess until runs finish here.
+PRIOR_RUN_S = {"jpeg_compressibility": 3.8 * 60, "tinyworld_alignment": 5.8 * 60}
+
+
+def status(out: Path, jobs: list[dict]) -> dict:
+    """Done and left per (reward, variant), and the CPU time left (median wall of the done runs per reward)."""
+    cells, walls = {}, {}
+    for job in jobs:
+        path = job_path(out, job)
+        key = (job["reward"], job["variant"])
+        c = cells.setdefault(key, {"done": 0, "left": 0})
+        if path.exists():
+            c["done"] += 1
+            walls.setdefault(job["reward"], []).append(json.loads(path.read_text())["wall_s"])
+        else:
+            c["left"] += 1
+    per_run = {r: float(np.median(walls[r])) if r in walls else PRIOR_RUN_S.get(r, 300.0) for r in {k[0] for k in cells}}
+    left_s = sum(c["left"] * per_run[r] for (r, _), c in cells.items())
+    return {"cells": {f"{r} / {v}": c for (r, v), c in cells.items()}, "done": sum(c["done"] for c in cells.values()),
+            "left": sum(c["left"] for c in cells.values()), "cpu_hours_left": left_s / 3600,
+            "seconds_per_run": per_run, "measured": sorted(walls)}
+
+
+def status_text(st: dict) -> str:
+    lines = [f"{'reward / variant':<40} done  left"]
+    lines += [f"{k:<40} {c['done']:>4}  {c['left']:>4}" for k, c in st["cells"].items()]
+    per = ", ".join(f"{r} {s / 60:.1f} min" + ("" if r in st["measured"] else " (prior)") for r, s in sorted(st["seconds_per_run"].items()))
+    lines.append(f"total: {st['done']} done, {st['left']} left; about {st['cpu_hours_left']:.1f} CPU hours left "
+                 f"(one thread a run; per run: {per})")
+    return "\n".join(lines)
+
+
+def run_jobs(out: Path, jobs: list[dict], n_jobs: int, max_runs: int | None) -> list[str]:
+    todo = [j for j in jobs if not job_path(out, j).exists()][:max_runs]
+    log("tuning", f"{len(todo)} runs to do ({len(jobs) - len([j for j in jobs if not job_path(out, j).exists()])} of {len(jobs)} done), "
+                  f"{n_jobs} at a time")
+    if n_jobs <= 1:
+        return [run_job(out, j) for j in todo]
+    # spawn: each run is a fresh interpreter with one torch thread (no forked torch state)
+    with multiprocessing.get_context("spawn").Pool(n_jobs, maxtasksperchild=1) as pool:
+        done = []
+        for path in pool.imap_unordered(_run_job_star, [(out, j) for j in todo]):
+            done.append(path)
+            log("tuning", f"finished {len(done)}/{len(todo)}: {path}")
+        return done
+
+
+# ----------------------------------------------------------------------------- the tuning table
+
+
+def tuning_table(out: Path) -> dict:
+    """Per reward and variant: each setting's mean gain (and s.e.) over the tuning seeds that are done,
+    and the chosen setting (PLAN['selection']) once every setting has every tuning seed."""
+    from research.bench.drift import gains
+    from research.bench.study import mean_se
+
+    table = {}
+    for reward in PLAN["rewards"]:
+        for variant in PLAN["variants"]:
+            rows = []
+            for s in settings():
+                runs = []
+                for seed in PLAN["tuning_seeds"]:
+                    p = job_path(out, {"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
+                    if p.exists():
+                        runs.append(json.loads(p.read_text()))
+                g = [v["gain"] for v in gains(runs).values()]
+                m, se = mean_se(g) if g else (None, None)
+                rows.append({"setting": s, "tag": setting_tag(s), "seeds": len(g), "gain_mean": m, "gain_se": se})
+            complete = all(r["seeds"] == len(PLAN["tuning_seeds"]) for r in rows)
+            chosen = choose(rows) if complete else None
+            table[f"{reward} / {variant}"] = {"rows": rows, "complete": complete, "chosen": chosen}
+    return table
+
+
+def choose(rows: list[dict]) -> str:
+    """PLAN['selection']: the highest mean gain; ties to the smaller lr, then the smaller clip range."""
+    best = max(rows, key=lambda r: (r["gain_mean"], -r["setting"]["train.lr"], -r["setting"]["train.clip_range"]))
+    return best["tag"]
+
+
+def table_markdown(table: dict) -> str:
+    tags = [setting_tag(s) for s in settings()]
+    lines = ["mean training gain over the tuning seeds (± s.e.; seeds done); **bold**: the chosen setting", "",
+             "| reward / variant | " + " | ".join(tags) + " |", "| --- |" + " --- |" * len(tags)]
+    for key, t in table.items():
+        cells = []
+        for r in t["rows"]:
+            if not r["seeds"]:
+                cells.append("-")
+                continue
+            c = f"{r['gain_mean']:+.3f}" + (f" ± {r['gain_se']:.3f}" if r["gain_se"] is not None else "") + f" ({r['seeds']})"
+            cells.append(f"**{c}**" if r["tag"] == t["chosen"] else c)
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plan_markdown() -> str:
+    p = PLAN
+    lines = [f"Plan digest `{plan_digest()}` (`python -m research.bench.tuning plan`).", "",
+             f"- Rewards: {', '.join(p['rewards'])}; {p['epochs']} epochs of 32 samples ({32 * p['epochs']} reward queries a run).",
+             "- Variants: " + "; ".join(f"`{v}` ({s}, replay {r})" for v, (s, r) in p["variants"].items()) + "; the baseline is `ddpo`.",
+             "- Grid, the same for every variant: " + " x ".join(f"`{k}` in {v}" for k, v in p["grid"].items())
+             + f" ({len(settings())} settings).",
+             f"- Tuning seeds {p['tuning_seeds']}; confirmatory seeds {p['confirm_seeds']}, used for nothing else.",
+             f"- Selection: {p['selection']} (ties: smaller lr, then smaller clip).",
+             f"- Primary measure: {p['primary']}.",
+             "- Secondary: " + "; ".join(p["secondary"]) + ".",
+             f"- Test: {p['test']}; correction: {p['correction']}.",
+             f"- Reporting: {p['report']}."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m research.bench.tuning", description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["plan", "status", "run", "report"])
+    ap.add_argument("--stage", choices=["tune"], default="tune", help="the confirmatory stage comes once tuning is complete")
+    ap.add_argument("--reward", nargs="+", choices=PLAN["rewards"])
+    ap.add_argument("--variant", nargs="+", choices=list(PLAN["variants"]))
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
+    ap.add_argument("--max-runs", type=int, help="stop after this many runs (a chunk)")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "tuning"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    jobs = tuning_jobs(args.reward, args.variant)
+    if args.command == "plan":
+        print(plan_markdown())
+        return PLAN
+    if args.command == "status":
+        st = status(out, jobs)
+        print(status_text(st))
+        return st
+    if args.command == "run":
+        t0 = time.time()
+        done = run_jobs(out, jobs, args.jobs, args.max_runs)
+        log("tuning", f"{len(done)} runs in {time.time() - t0:.0f}s")
+        print(status_text(status(out, jobs)))
+        return done
+    table = tuning_table(out)
+    md = table_markdown(table)
+    (out / "tuning_table.md").parent.mkdir(parents=True, exist_ok=True)
+    (out / "tuning_table.md").write_text(md + "\n")
+    write_json(out / "tuning_table.json", {"plan_digest": plan_digest(), "table": table})
+    print(md)
+    return table
+
+
+if __name__ == "__main__":
+    main()

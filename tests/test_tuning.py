@@ -1,0 +1,85 @@
+"""Issue 59's runner (research/bench/tuning.py): the plan's grid and seeds, where each run lands,
+the selection rule, and the status count."""
+import json
+
+import pytest
+
+from research.bench import tuning
+
+
+def test_every_variant_gets_the_same_grid_on_seeds_that_the_confirmatory_stage_never_uses():
+    plan = tuning.PLAN
+    assert not set(plan["tuning_seeds"]) & set(plan["confirm_seeds"])
+    jobs = tuning.tuning_jobs()
+    assert len(jobs) == len(plan["rewards"]) * len(plan["variants"]) * len(tuning.settings()) * len(plan["tuning_seeds"])
+    per_variant = {}
+    for j in jobs:
+        per_variant.setdefault(j["variant"], set()).add(tuning.setting_tag(j["setting"]))
+    assert len({frozenset(v) for v in per_variant.values()}) == 1  # equal tuning budgets
+    # seed-major: every cell once before any cell twice
+    first = len(jobs) // len(plan["tuning_seeds"])
+    assert {j["seed"] for j in jobs[:first]} == {plan["tuning_seeds"][0]}
+
+
+def test_each_setting_and_seed_has_its_own_file(tmp_path):
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"])
+    paths = {tuning.job_path(tmp_path, j) for j in jobs}
+    assert len(paths) == len(jobs)
+    j = jobs[0]
+    assert tuning.job_path(tmp_path, j) == tmp_path / "tune" / "clip_range0.003_lr0.003" / "runs" / "jpeg_compressibility" / "uniform__none" / "seed100.json"
+    assert tuning.overrides_of(j["setting"]) == ["train.clip_range=0.003", "train.lr=0.003"]
+
+
+def test_selection_takes_the_highest_mean_gain_and_breaks_ties_to_the_smaller_step():
+    def row(lr, clip, g):
+        s = {"train.clip_range": clip, "train.lr": lr}
+        return {"setting": s, "tag": tuning.setting_tag(s), "gain_mean": g}
+
+    assert tuning.choose([row(0.01, 0.01, 0.1), row(0.03, 0.01, 0.2), row(0.003, 0.03, 0.15)]) == "clip_range0.01_lr0.03"
+    assert tuning.choose([row(0.03, 0.01, 0.2), row(0.01, 0.03, 0.2)]) == "clip_range0.03_lr0.01"  # tie: smaller lr
+    assert tuning.choose([row(0.01, 0.03, 0.2), row(0.01, 0.01, 0.2)]) == "clip_range0.01_lr0.01"  # then smaller clip
+
+
+def _fake_run(path, seed, rewards, wall):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seed": seed, "records": [{"reward_mean": r} for r in rewards], "wall_s": wall}))
+
+
+def test_status_counts_done_and_left_and_prices_what_is_left_by_the_runs_done(tmp_path):
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo", "hardmine"])
+    for j, wall in zip(jobs[:3], (100.0, 200.0, 300.0)):
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, 1.0], wall)
+    st = tuning.status(tmp_path, jobs)
+    assert (st["done"], st["left"]) == (3, len(jobs) - 3)
+    assert st["seconds_per_run"]["jpeg_compressibility"] == 200.0  # the median of the done runs, not the prior
+    assert st["cpu_hours_left"] == pytest.approx((len(jobs) - 3) * 200.0 / 3600)
+    assert "3 done" in tuning.status_text(st)
+
+
+def test_the_table_chooses_only_when_every_setting_has_every_tuning_seed(tmp_path):
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"])
+    best = tuning.settings()[4]
+    for j in jobs[:-1]:  # one run missing
+        gain = 1.0 if j["setting"] == best else 0.5
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, gain, gain, gain], 1.0)
+    table = tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]
+    assert not table["complete"] and table["chosen"] is None
+    last = jobs[-1]
+    _fake_run(tuning.job_path(tmp_path, last), last["seed"], [0.0, 0.5, 0.5, 0.5], 1.0)
+    table = tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]
+    assert table["complete"] and table["chosen"] == tuning.setting_tag(best)
+    assert "**+1.000" in tuning.table_markdown({"jpeg_compressibility / ddpo": table})
+
+
+def test_the_plan_digest_changes_with_the_plan(monkeypatch):
+    before = tuning.plan_digest()
+    monkeypatch.setitem(tuning.PLAN, "confirm_seeds", [200, 201])
+    assert tuning.plan_digest() != before
+
+
+def test_results_quotes_the_plan_it_was_committed_with():
+    """The plan is fixed before its confirmatory runs: editing PLAN changes the digest RESULTS quotes."""
+    from pathlib import Path
+
+    results = (Path(__file__).resolve().parents[1] / "RESULTS.md").read_text()
+    assert f"Plan digest `{tuning.plan_digest()}`" in results
