@@ -99,12 +99,20 @@ def job_path(out: Path, job: dict) -> Path:
     return run_path(out / job["stage"] / setting_tag(job["setting"]), job["reward"], tuple(PLAN["variants"][job["variant"]]), job["seed"])
 
 
-def run_job(out: Path, job: dict, threads: int = 1) -> str:
-    """One run (in this process); returns its file."""
+# Background runs yield the CPU to interactive work (tests, builds): Ray's own workers run at nice 15,
+# so a study at nice 0 would starve a test suite's actors on a shared machine.
+NICE = 19
+
+
+def run_job(out: Path, job: dict, threads: int = 1, nice: int = NICE) -> str:
+    """One run (in this process, at the given niceness); returns its file."""
+    import os
+
     import torch
 
     from research.bench.study import get_run
 
+    os.nice(max(0, nice - os.nice(0)))
     torch.set_num_threads(threads)
     get_run(out / job["stage"] / setting_tag(job["setting"]), "full", job["reward"], PLAN["epochs"], overrides_of(job["setting"]),
             tuple(PLAN["variants"][job["variant"]]), job["seed"], PLAN["eval_samples"])
