@@ -82,6 +82,17 @@ def build_components(size: str, device: str, dtype):
     return SDComponents(unet, vae, text, tokenizer, scheduler, source=f"random weights ({size})")
 
 
+def sd15_learner(comps, guidance: float, timestep_fraction: float | None = None) -> PolicyLearner:
+    """The learner the benchmarks measure: the learner's defaults (LoRA rank and targets, clip range,
+    eta) but lr, the CFG scale and the trained fraction."""
+    extra = {} if timestep_fraction is None else {"timestep_fraction": timestep_fraction}
+    return PolicyLearner(comps, UpdateSettings(lr=1e-4, guidance_scale=guidance, **extra))
+
+
+def sd15_sampling(steps: int, guidance: float, resolution: int) -> SamplingSettings:
+    return SamplingSettings(num_steps=steps, guidance_scale=guidance, resolution=resolution)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -197,13 +208,13 @@ def bench_dtype(args, dtype_name: str, device: str, peak: float) -> dict:
     t0 = time.time()
     comps = build_components(args.size, device, getattr(torch, dtype_name))
     # The learner's defaults (LoRA rank and targets, clip range, eta) but lr, SD1.5's CFG scale and the trained fraction.
-    learner = PolicyLearner(comps, UpdateSettings(lr=1e-4, guidance_scale=args.guidance, timestep_fraction=args.timestep_fraction))
+    learner = sd15_learner(comps, args.guidance, args.timestep_fraction)
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in (("unet", comps.unet), ("vae", comps.vae), ("text_encoder", comps.text_encoder))}
     log("gpu", f"{dtype_name}: built in {time.time() - t0:.0f}s, params {n_params}")
     flops = count_flops(learner, args.resolution, args.guidance)
     log("gpu", f"{dtype_name}: guided UNet call, 1 image: {flops['forward'] / 1e9:.2f} GFLOP forward, "
                f"{flops['forward_backward'] / 1e9:.2f} GFLOP forward+backward")
-    settings = SamplingSettings(num_steps=args.steps, guidance_scale=args.guidance, resolution=args.resolution)
+    settings = sd15_sampling(args.steps, args.guidance, args.resolution)
     sampling, last = measure_sampling(learner, settings, args.sample_batches, args.repeats, device, flops, peak)
     # The update trains on real trajectories of the policy: one batch of the largest update size.
     nb = max(args.update_batches)

@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrlhf.learner.update import PolicyLearner, UpdateSettings
-from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
+from diffrlhf.policy.sampler import sample_trajectories
 from research.bench import gpu
 from research.bench.common import log, machine, out_dir, write_json
 
@@ -78,9 +77,9 @@ def part_throughput(args, budget, kind: str) -> dict:
     for dt in args.dtypes:
         b = Budget(min(per_dtype, budget.left()))
         comps = gpu.build_components(args.size, args.device, getattr(torch, dt))
-        learner = PolicyLearner(comps, UpdateSettings(lr=1e-4, guidance_scale=args.guidance))
+        learner = gpu.sd15_learner(comps, args.guidance)
         flops = gpu.count_flops(learner, args.resolution, args.guidance)
-        settings = SamplingSettings(num_steps=args.steps, guidance_scale=args.guidance, resolution=args.resolution)
+        settings = gpu.sd15_sampling(args.steps, args.guidance, args.resolution)
         rows = []
         if kind == "sampling":
             for n in args.sample_batches:
@@ -151,7 +150,7 @@ def part_lora_io(args, budget) -> dict:
     from diffrlhf.learner.lora import flat_lora_state, load_flat_lora
 
     comps = gpu.build_components(args.size, args.device, getattr(torch, args.dtypes[0]))
-    learner = PolicyLearner(comps, UpdateSettings())
+    learner = gpu.sd15_learner(comps, args.guidance)
     t0 = time.perf_counter()
     flat = flat_lora_state(comps.unet)
     t_flat = time.perf_counter() - t0
