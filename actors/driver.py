@@ -36,6 +36,7 @@ from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, S
 from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
 from diffrlhf.learner.lora import flatten_lora_state
 from diffrlhf.policy.prompts import BatchPlan, load_prompts
+from diffrlhf.rewards import weighted_sum_names
 
 __all__ = ["Driver", "RunFailed", "init_ray", "ray_restarts"]
 
@@ -485,7 +486,8 @@ class Driver:
 
     def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float) -> None:
         c = self.sched.counters
-        rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, wall_s=wall, samples_trained=summary["samples_trained"],
+        rec = epoch_record(epoch, summary["rewards"], c["reward_queries"], metrics, summary.get("reward_terms"),
+                           weighted_sum_names(self.cfg.reward.spec), wall_s=wall, samples_trained=summary["samples_trained"],
                            **{k: v for k, v in c.items() if k not in ("epochs_done", "reward_queries")}, **self.sched.last_trained,
                            ray_restarts=self._check_restarts())
         self.records.append(rec)
@@ -497,6 +499,7 @@ class Driver:
             if g and (epoch % g == 0 or epoch == self.cfg.train.epochs - 1):
                 self.logger.save_grid(summary["images"], summary["prompts"], f"epoch_{epoch:04d}")
             self.logger.plot_reward_curve()
+            self.logger.plot_reward_terms()
         if (epoch + 1) % self.cfg.run.save_every == 0 or epoch + 1 == self.cfg.train.epochs:
             self.save_checkpoint(wall)
             ray.get(self.learner.save_lora.remote(str(self.run_dir / "lora" / f"epoch_{epoch + 1:04d}")))

@@ -50,12 +50,13 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
         sampled = TrajectoryBatch.cat(parts)
         score = rewards.score(sampled.sample_ids.tolist(), sampled.images.numpy(), sampled.prompts)
         t_score = time.time() - t0 - t_sample
-        batch, summary = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards)], advantages, buffer,
+        batch, summary = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards, score.terms)], advantages, buffer,
                                         train_rows(cfg))
         upd = learner.update(buffer.training_batch(epoch))
         if epoch + 1 in rounds:
             probe(epoch + 1)
-        rec = epoch_record(epoch, batch.rewards, rewards.num_queries, upd, reward_dropped=rewards.num_dropped,
+        rec = epoch_record(epoch, batch.rewards, rewards.num_queries, upd, batch.reward_terms, score.term_names,
+                           reward_dropped=rewards.num_dropped,
                            samples_trained=summary["samples_trained"],
                            time_sample=t_sample, time_score=t_score, time_update=time.time() - t0 - t_sample - t_score,
                            time_epoch=time.time() - t0)

@@ -129,7 +129,7 @@ class BufferWorker(_Role):
 
     @timed
     def add_scored(self, epoch: int, batch_index: int, batch: TrajectoryBatch, score) -> int:
-        batch = attach_rewards(batch, score.ids, score.rewards)
+        batch = attach_rewards(batch, score.ids, score.rewards, score.terms)
         self.pending.setdefault(epoch, {})[batch_index] = batch
         return len(batch)
 

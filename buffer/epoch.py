@@ -13,13 +13,18 @@ from diffrlhf.buffer.replay import ReplayBuffer
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 
 
-def attach_rewards(batch: TrajectoryBatch, ids, rewards) -> TrajectoryBatch:
+def attach_rewards(batch: TrajectoryBatch, ids, rewards, terms=None) -> TrajectoryBatch:
     """The rows of `batch` that got a reward (by sample id), with it set; rows the reward server
-    dropped (non-finite, nan_policy=drop) are left out."""
+    dropped (non-finite, nan_policy=drop) are left out. terms [len(ids), R] (a weighted_sum's
+    unweighted rewards, aligned with ids) go to reward_terms."""
     by_id = dict(zip(ids, np.asarray(rewards).tolist()))
     keep = [i for i, sid in enumerate(batch.sample_ids.tolist()) if sid in by_id]
     batch = batch.select(keep)
     batch.rewards = torch.tensor([by_id[s] for s in batch.sample_ids.tolist()], dtype=torch.float32)
+    if terms is not None:
+        row_of = {sid: j for j, sid in enumerate(ids)}
+        terms = torch.as_tensor(np.asarray(terms, dtype=np.float32))
+        batch.reward_terms = terms[[row_of[s] for s in batch.sample_ids.tolist()]].reshape(len(batch), terms.shape[1])
     return batch
 
 
@@ -65,11 +70,14 @@ def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: Advanta
     summary = {"epoch": epoch, "samples": len(batch), "samples_trained": len(trained), "rewards": batch.rewards.tolist(),
                "policy_versions": batch.policy_version.tolist(), "images": batch.images[:16].numpy(),
                "prompts": batch.prompts[:16]}
+    if batch.reward_terms.shape[1]:
+        summary["reward_terms"] = batch.reward_terms.tolist()
     return batch, summary
 
 
-def epoch_record(epoch: int, rewards, queries: int, update: dict, **extra) -> dict:
-    """The metrics line of one trained epoch: reward statistics, the update's metrics, extras."""
+def epoch_record(epoch: int, rewards, queries: int, update: dict, reward_terms=None, term_names=None, **extra) -> dict:
+    """The metrics line of one trained epoch: reward statistics, the update's metrics, extras.
+    reward_terms [B, R] with term_names [R] (several rewards): each reward's mean as reward_mean/<name>."""
     r = np.asarray(rewards, dtype=np.float64)
     rec = {
         "epoch": epoch,
@@ -79,6 +87,9 @@ def epoch_record(epoch: int, rewards, queries: int, update: dict, **extra) -> di
         "reward_se": float(r.std(ddof=1) / np.sqrt(len(r))) if len(r) > 1 else 0.0,
         "samples": len(r),
     }
+    if reward_terms is not None and len(reward_terms) and np.asarray(reward_terms).shape[1]:
+        for name, col in zip(term_names, np.asarray(reward_terms, dtype=np.float64).T):
+            rec[f"reward_mean/{name}"] = float(col.mean())
     rec.update({k: v for k, v in update.items() if k != "timestep_weights"})
     rec.update(extra)
     return rec

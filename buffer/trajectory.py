@@ -27,7 +27,11 @@ TENSOR_FIELDS = (
     "rewards",  # [B] float32: NaN until scored
     "advantages",  # [B] float32: NaN until computed
     "replayed",  # [B] bool: True for rows a training batch replays from an earlier epoch
+    # Several rewards (a weighted_sum spec): each term's unweighted reward, [B, R] float32; [B, 0] otherwise.
+    "reward_terms",
 )
+# Fields that may have no columns ([B, 0]); the Arrow form leaves them out then (and reads them back so).
+_OPTIONAL_WIDTH = ("reward_terms",)
 
 
 @dataclass
@@ -44,6 +48,7 @@ class TrajectoryBatch:
     rewards: torch.Tensor = None
     advantages: torch.Tensor = None
     replayed: torch.Tensor = None
+    reward_terms: torch.Tensor = None
     # Sampling settings the log-probs depend on; identical for all rows of a batch.
     meta: dict = field(default_factory=dict)
 
@@ -55,6 +60,9 @@ class TrajectoryBatch:
             self.advantages = torch.full((b,), float("nan"))
         if self.replayed is None:
             self.replayed = torch.zeros(b, dtype=torch.bool)
+        for name in _OPTIONAL_WIDTH:
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(b, 0))
         for name in TENSOR_FIELDS:
             t = getattr(self, name)
             if t.shape[0] != b:
@@ -101,6 +109,8 @@ class TrajectoryBatch:
         cols = {"prompts": pa.array(self.prompts, pa.string())}
         for name in TENSOR_FIELDS:
             arr = getattr(self, name).detach().cpu().contiguous().numpy()
+            if name in _OPTIONAL_WIDTH and arr.shape[1] == 0:
+                continue  # pyarrow has no zero-width tensor column; absent reads back as [B, 0]
             if arr.ndim == 1:
                 cols[name] = pa.array(arr)
             else:
@@ -113,8 +123,8 @@ class TrajectoryBatch:
         meta = _json_loads((table.schema.metadata or {}).get(b"diffrlhf.meta", b"{}"))
         kw = {}
         for name in TENSOR_FIELDS:
-            if name == "replayed" and name not in table.column_names:
-                continue  # written before the field existed (format 1): no row is replay
+            if name in ("replayed", *_OPTIONAL_WIDTH) and name not in table.column_names:
+                continue  # replayed: written before the field existed (format 1), no row is replay
             col = table.column(name).combine_chunks()
             arr = col.to_numpy_ndarray() if isinstance(col.type, pa.FixedShapeTensorType) else col.to_numpy(zero_copy_only=False)
             kw[name] = torch.from_numpy(np.array(arr, copy=True))  # own, writable memory

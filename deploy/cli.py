@@ -101,6 +101,7 @@ def cmd_train(args) -> int:
     (run_dir / "roles.json").write_text(json.dumps(driver.role_stats, indent=1))
     driver.metrics.roles(driver.role_stats)
     logger.plot_reward_curve()
+    logger.plot_reward_terms()
     # The whole run's records (a resumed run's earlier epochs too): the gain is from epoch 0.
     _summary(cfg, logger.records, wall, run_dir, driver.role_stats, this_session=len(records))
     return 0
@@ -139,6 +140,7 @@ def cmd_reference(args) -> int:
     t0 = time.time()
     records = run_reference(cfg, logger=logger, progress=not args.no_progress)
     logger.plot_reward_curve()
+    logger.plot_reward_terms()
     logger.close()
     _summary(cfg, records, time.time() - t0, run_dir, [])
     return 0

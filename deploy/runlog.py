@@ -5,6 +5,7 @@
       metrics.jsonl          one JSON object per epoch
       tb/                    TensorBoard scalars (same numbers)
       reward_curve.png       mean reward (+/- s.e.) against reward queries
+      reward_terms.png       each reward's epoch mean against reward queries (a weighted_sum reward)
       grids/epoch_XXXX.png   sample images of chosen epochs
       lora/epoch_XXXX/       diffusers-format LoRA (pipe.load_lora_weights(folder))
       checkpoint/            the resumable state, checkpoint.prev/ the one before (see actors/checkpoint.py)
@@ -124,6 +125,30 @@ class RunLogger:
         fig.tight_layout()
         out = self.dir / "reward_curve.png"
         fig.savefig(out, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        return out
+
+    def plot_reward_terms(self) -> Path | None:
+        """reward_terms.png: each term of a weighted_sum reward, its epoch mean against reward queries."""
+        names = [k.split("/", 1)[1] for k in (self.records[-1] if self.records else {}) if k.startswith("reward_mean/")]
+        if not names:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        q = [r["reward_queries"] for r in self.records]
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            ax.plot(q, [r.get(f"reward_mean/{name}", float("nan")) for r in self.records], marker="o", ms=3)
+            ax.set_title(name, fontsize=10)
+            ax.set_xlabel("reward queries")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("epoch mean (unweighted)")
+        fig.tight_layout()
+        out = self.dir / "reward_terms.png"
+        fig.savefig(out, dpi=110)
         plt.close(fig)
         return out
 

@@ -138,19 +138,54 @@ class WeightedSum:
 
     def components(self, images, prompts) -> dict[str, np.ndarray]:
         """Each term's unweighted reward (for logging), keyed name, name#2, ... if repeated."""
-        out = {}
-        for name, _, fn in self.terms:
-            key, k = name, 2
-            while key in out:
-                key, k = f"{name}#{k}", k + 1
-            out[key] = fn(images, prompts)
-        return out
+        return dict(zip(self.term_names, self.term_scores(images, prompts)))
+
+    @property
+    def term_names(self) -> list[str]:
+        """Each term's name, name#2, ... if repeated (the keys of `components`)."""
+        return _distinct([name for name, _, _ in self.terms])
+
+    @property
+    def weights(self) -> list[float]:
+        return [w for _, w, _ in self.terms]
+
+    def term_scores(self, images, prompts) -> list[np.ndarray]:
+        """Each term's unweighted reward, in term order: one query of each term per image."""
+        return [np.asarray(fn(images, prompts)) for _, _, fn in self.terms]
+
+    def total(self, scores: list[np.ndarray]) -> np.ndarray:
+        """The weighted sum of `term_scores`' arrays, float32 (summed in float64, in term order)."""
+        total = np.zeros(len(scores[0]), dtype=np.float64)
+        for (_, w, _), r in zip(self.terms, scores):
+            total += w * r.astype(np.float64)
+        return total.astype(np.float32)
 
     def __call__(self, images, prompts) -> np.ndarray:
-        total = np.zeros(len(images), dtype=np.float64)
-        for _, w, fn in self.terms:
-            total += w * fn(images, prompts).astype(np.float64)
-        return total.astype(np.float32)
+        return self.total(self.term_scores(images, prompts))
+
+
+def _distinct(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        key, k = name, 2
+        while key in out:
+            key, k = f"{name}#{k}", k + 1
+        out.append(key)
+    return out
+
+
+def weighted_sum_names(spec) -> list[str] | None:
+    """The term names of a weighted_sum spec (name, name#2, ... if repeated), or None for any other spec."""
+    if weighted_sum_weights(spec) is None:
+        return None
+    return _distinct([spec_name(t) for t in spec["terms"]])
+
+
+def weighted_sum_weights(spec) -> list[float] | None:
+    """The weights of a weighted_sum spec's terms, in order (ReCAST's budgets), or None for any other spec."""
+    if not (isinstance(spec, Mapping) and spec.get("name") == "weighted_sum" and isinstance(spec.get("terms"), list)):
+        return None
+    return [float(t.get("weight", 1.0)) if isinstance(t, Mapping) else 1.0 for t in spec["terms"]]
 
 
 def _custom_target(name: str):
