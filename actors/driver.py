@@ -25,7 +25,7 @@ import psutil
 import ray
 from tqdm import tqdm
 
-from diffrlhf.actors import oracle
+from diffrlhf.actors import oracle, recast_probe
 from diffrlhf.actors.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from diffrlhf.actors.observe import RunMetrics, Watchdog
 from diffrlhf.actors.reaper import watch
@@ -282,6 +282,8 @@ class Driver:
             self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
             if 0 in oracle.probe_rounds(self.cfg):
                 self._probe(0, self.weights[0])
+            if 0 in recast_probe.probe_rounds(self.cfg):
+                self._probe_recast(0, self.weights[0])
         self.t_run = time.time() - (state["wall_s"] if state else 0.0)  # wall_s continues over a resume
         self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
         self.watch: dict = {}  # a learner group's rank 1.. update ref -> rank 0's (pending) ref
@@ -395,6 +397,8 @@ class Driver:
         new = self.sched.updated(t, summary["samples"])
         if t.epoch + 1 in oracle.probe_rounds(self.cfg):  # before the checkpoint, which then holds the new profile
             self._probe(t.epoch + 1, weights)
+        if t.epoch + 1 in recast_probe.probe_rounds(self.cfg):  # likewise: the checkpoint holds the new W
+            self._probe_recast(t.epoch + 1, weights)
         self._submit([x for x in new if not isinstance(x, UpdateTask)])  # sampling goes on while we log and checkpoint
         keep = set(self.sched.needed_versions())
         self.weights = {v: w for v, w in self.weights.items() if v in keep}
@@ -405,10 +409,9 @@ class Driver:
         # the learner and buffer before that epoch's finalize and update changed them.
         return [x for x in new if isinstance(x, UpdateTask)]
 
-    def _probe(self, round_: int, weights) -> None:
-        """The oracle weighting's probe (actors/oracle.py) on the run's actors, with the policy `weights`
-        (an object ref of (version, flat LoRA)): the branches over every sampler, the scores on reward
-        actor 0, the profile to every learner rank; its queries count as the run's."""
+    def _probe_callables(self, round_: int, weights, branches: int):
+        """sample, branch_all and score of a probe on the run's actors, with the policy `weights` (an
+        object ref of (version, flat LoRA)): the branches over every sampler, the scores on reward actor 0."""
         t = self.cfg.system.idle_timeout_s
 
         def sample(prompts, seeds, ids):
@@ -416,21 +419,45 @@ class Driver:
             return ray.get(self.samplers[0].sample.options(num_returns=3).remote(plan, weights)[2], timeout=t)
 
         def branch_all(batch, jobs):
-            m = self.cfg.weighting.oracle_branches
-            refs = [self.samplers[i % len(self.samplers)].branch.remote(batch, k, m, seeds, weights) for i, (k, seeds) in enumerate(jobs)]
+            refs = [self.samplers[i % len(self.samplers)].branch.remote(batch, k, branches, seeds, weights)
+                    for i, (k, seeds) in enumerate(jobs)]
             return ray.get(refs, timeout=t)
 
         def score(ids, images, prompts):
             return ray.get(self.rewards[0].score.remote({"ids": ids, "images": images, "prompts": prompts}), timeout=t)
 
-        try:
-            profile, _, queries = oracle.measure(self.cfg, self.prompts, round_, sample, branch_all, score)
-        except (ray.exceptions.RayError, ValueError) as e:
-            raise RunFailed(f"the oracle weighting's probe after {round_} updates failed: {_error_text(e)}") from None
-        ray.get([a.set_timestep_profile.remote(profile) for a in self.learners], timeout=t)
+        return sample, branch_all, score
+
+    def _count_probe(self, queries: int) -> None:
         self.sched.counters["reward_queries"] += queries
         self.sched.counters["reward_queries_total"] += queries
         self._last_progress = time.time()  # a long probe is progress, not a stall for the idle watch
+
+    def _probe(self, round_: int, weights) -> None:
+        """The oracle weighting's probe (actors/oracle.py): the profile to every learner rank; its
+        queries count as the run's."""
+        try:
+            profile, _, queries = oracle.measure(self.cfg, self.prompts, round_,
+                                                 *self._probe_callables(round_, weights, self.cfg.weighting.oracle_branches))
+        except (ray.exceptions.RayError, ValueError) as e:
+            raise RunFailed(f"the oracle weighting's probe after {round_} updates failed: {_error_text(e)}") from None
+        ray.get([a.set_timestep_profile.remote(profile) for a in self.learners], timeout=self.cfg.system.idle_timeout_s)
+        self._count_probe(queries)
+
+    def _probe_recast(self, round_: int, weights) -> None:
+        """ReCAST's probe (actors/recast_probe.py): W to the buffer and every learner rank, logged;
+        its queries count as the run's."""
+        try:
+            result, queries = recast_probe.measure(self.cfg, self.prompts, round_,
+                                                   *self._probe_callables(round_, weights, self.cfg.recast.branches))
+        except (ray.exceptions.RayError, ValueError, RuntimeError) as e:
+            raise RunFailed(f"ReCAST's probe after {round_} updates failed: {_error_text(e)}") from None
+        w = result["weights"]
+        ray.get([a.set_recast_weights.remote(w) for a in self.learners] + [self.buffer.set_recast_weights.remote(w)],
+                timeout=self.cfg.system.idle_timeout_s)
+        if self.logger is not None:
+            self.logger.log_recast(result)
+        self._count_probe(queries)
 
     def _wait(self) -> list:
         """The refs that are ready, in submission order; in slices, so the watchdog speaks and

@@ -11,9 +11,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from diffrlhf.actors import oracle
-from diffrlhf.actors.settings import (advantage_computer, build_policy, plan_for, replay_buffer, reward_server, sampling_settings,
-                                      train_rows)
+from diffrlhf.actors import oracle, recast_probe
+from diffrlhf.actors.settings import (advantage_computer, build_policy, plan_for, recast_credit, replay_buffer, reward_server,
+                                      sampling_settings, train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.policy.branching import sample_plan
@@ -28,6 +28,7 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
     rewards = reward_server(cfg)
     advantages = advantage_computer(cfg)
     buffer = replay_buffer(cfg)
+    credit = recast_credit(cfg)
     prompt_list = load_prompts(cfg.prompts.train)
     records = []
     bar = _progress(cfg.train.epochs, progress)
@@ -38,8 +39,20 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
                                            rewards.score)
         learner.set_timestep_profile(profile)
 
+    recast_rounds = recast_probe.probe_rounds(cfg)
+
+    def probe_recast(round_):  # ReCAST's W, on the policy that samples next
+        result, _ = recast_probe.local_probe(cfg, prompt_list, round_, comps, settings, learner.version, learner.negative_embeds,
+                                             rewards.score)
+        learner.set_recast_weights(result["weights"])
+        credit.set_weights(result["weights"])
+        if logger is not None:
+            logger.log_recast(result)
+
     if 0 in rounds:
         probe(0)
+    if 0 in recast_rounds:
+        probe_recast(0)
     for epoch in range(cfg.train.epochs):
         t0 = time.time()
         parts = []
@@ -51,10 +64,12 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
         score = rewards.score(sampled.sample_ids.tolist(), sampled.images.numpy(), sampled.prompts)
         t_score = time.time() - t0 - t_sample
         batch, summary = finalize_epoch(epoch, [attach_rewards(sampled, score.ids, score.rewards, score.terms)], advantages, buffer,
-                                        train_rows(cfg))
+                                        train_rows(cfg), credit)
         upd = learner.update(buffer.training_batch(epoch))
         if epoch + 1 in rounds:
             probe(epoch + 1)
+        if epoch + 1 in recast_rounds:
+            probe_recast(epoch + 1)
         rec = epoch_record(epoch, batch.rewards, rewards.num_queries, upd, batch.reward_terms, score.term_names,
                            reward_dropped=rewards.num_dropped,
                            samples_trained=summary["samples_trained"],

@@ -8,6 +8,7 @@ import os
 import torch
 
 from diffrlhf.buffer.advantages import AdvantageComputer
+from diffrlhf.buffer.credit import RecastCredit
 from diffrlhf.buffer.epoch import branch_extremes
 from diffrlhf.buffer.replay import ReplayBuffer
 from diffrlhf.learner.timesteps import backward_trained_steps, num_trained_steps
@@ -15,7 +16,7 @@ from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.models import SDComponents, load_components, resolve_device
 from diffrlhf.policy.prompts import BatchPlan, plan_batch
 from diffrlhf.policy.sampler import SamplingSettings
-from diffrlhf.rewards import default_runtime_env, spec_name
+from diffrlhf.rewards import default_runtime_env, spec_name, weighted_sum_weights
 from diffrlhf.rewards.serving import RewardServer
 
 # The interpreter of a prebuilt venv for a package-backed reward (e.g. /opt/venvs/hpsv2/bin/python;
@@ -40,7 +41,7 @@ def update_settings(cfg) -> UpdateSettings:
         grad_accum_steps=t.grad_accum_steps, weighting=cfg.weighting.scheme,
         gaussian_width=cfg.weighting.gaussian_width, logprob_mode=cfg.replay.logprob_mode,
         eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, algorithm=cfg.algorithm.name,
-        kl_coef=cfg.algorithm.kl_coef, reward_scale=cfg.algorithm.reward_scale,
+        kl_coef=cfg.algorithm.kl_coef, reward_scale=cfg.algorithm.reward_scale, recast=cfg.recast.mode,
     )
 
 
@@ -80,6 +81,13 @@ def reward_runtime_env(cfg) -> dict | None:
 def advantage_computer(cfg) -> AdvantageComputer:
     a = cfg.advantage
     return AdvantageComputer(a.mode, a.clip_max, a.buffer_size, a.min_count)
+
+
+def recast_credit(cfg) -> RecastCredit | None:
+    """The buffer's half of ReCAST (None with recast.mode=off): the weighted_sum's weights as budgets."""
+    if cfg.recast.mode == "off":
+        return None
+    return RecastCredit(cfg.recast.mode, weighted_sum_weights(cfg.reward.spec))
 
 
 def replay_buffer(cfg) -> ReplayBuffer:

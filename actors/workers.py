@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from diffrlhf.actors.settings import (advantage_computer, build_policy, load_model, replay_buffer, reward_server, sampling_settings,
-                                      train_rows)
+from diffrlhf.actors.settings import (advantage_computer, build_policy, load_model, recast_credit, replay_buffer, reward_server,
+                                      sampling_settings, train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
 from diffrlhf.buffer.sharding import shard_batch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
@@ -125,6 +125,7 @@ class BufferWorker(_Role):
         self._init_role(cfg, "buffer")
         self.advantages = advantage_computer(cfg)
         self.replay = replay_buffer(cfg)
+        self.credit = recast_credit(cfg)  # ReCAST's budgets and W (None with recast.mode=off)
         self.pending: dict[int, dict[int, TrajectoryBatch]] = {}
 
     @timed
@@ -137,8 +138,12 @@ class BufferWorker(_Role):
     def finalize_epoch(self, epoch: int) -> dict:
         """Advantages over the whole epoch, in batch-index order (as the reference loop), then store."""
         parts = self.pending.pop(epoch, {})
-        _, summary = finalize_epoch(epoch, [parts[i] for i in sorted(parts)], self.advantages, self.replay, train_rows(self.cfg))
+        _, summary = finalize_epoch(epoch, [parts[i] for i in sorted(parts)], self.advantages, self.replay, train_rows(self.cfg),
+                                    self.credit)
         return summary
+
+    def set_recast_weights(self, weights) -> None:
+        self.credit.set_weights(weights)
 
     @timed
     def training_batch(self, epoch: int, num_learners: int = 1):
@@ -151,11 +156,14 @@ class BufferWorker(_Role):
         return tuple(shard_batch(batch, self.cfg.train.batch_size, num_learners, self.cfg.run.seed, epoch))
 
     def state_dict(self) -> dict:
-        return {"advantages": self.advantages.state_dict(), "replay": self.replay.state_dict()}
+        return {"advantages": self.advantages.state_dict(), "replay": self.replay.state_dict(),
+                "recast": self.credit.state_dict() if self.credit else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.advantages.load_state_dict(state["advantages"])
         self.replay.load_state_dict(state["replay"])
+        if self.credit is not None and state.get("recast") is not None:
+            self.credit.load_state_dict(state["recast"])
         self.pending = {}
 
 
@@ -198,6 +206,9 @@ class LearnerWorker(_Role):
 
     def set_timestep_profile(self, profile) -> None:
         self.learner.set_timestep_profile(profile)
+
+    def set_recast_weights(self, weights) -> None:
+        self.learner.set_recast_weights(weights)
 
     def weights(self) -> tuple[int, FlatLoRA]:
         return self.learner.version, flat_lora_state(self.components.unet)

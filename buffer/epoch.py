@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from diffrlhf.buffer.advantages import AdvantageComputer
+from diffrlhf.buffer.credit import RecastCredit
 from diffrlhf.buffer.replay import ReplayBuffer
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 
@@ -53,11 +54,13 @@ def branch_extremes(sample_ids, advantages, group_size: int, pos_threshold: floa
 
 
 def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: AdvantageComputer, replay: ReplayBuffer,
-                   train_rows=None) -> tuple[TrajectoryBatch, dict]:
+                   train_rows=None, credit: RecastCredit | None = None) -> tuple[TrajectoryBatch, dict]:
     """Advantages over the whole epoch (parts in batch-index order), then store it for replay.
 
     train_rows (optional): batch -> the row indices to train and store (B2-DiffuRL's branch
     extremes); every row was scored and counts in the summary either way.
+    credit (optional, ReCAST): also the term advantages of each row (buffer/credit.py); the row's
+    one advantage stays that of the weighted sum, which replay's |A| priority ranks by.
     Returns the scored epoch and its summary (rewards, versions and a few images for the log)."""
     parts = [p for p in parts if len(p)]
     if not parts:
@@ -65,6 +68,8 @@ def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: Advanta
                               "(reward.nan_policy=drop) or every batch was lost")
     batch = TrajectoryBatch.cat(parts)
     batch.advantages = torch.from_numpy(advantages(batch.prompts, batch.rewards.numpy()))
+    if credit is not None:
+        batch.term_advantages = torch.from_numpy(credit.term_advantages(batch.prompts, batch.reward_terms.numpy(), advantages))
     trained = batch if train_rows is None else batch.select(train_rows(batch))
     replay.add(epoch, trained)
     summary = {"epoch": epoch, "samples": len(batch), "samples_trained": len(trained), "rewards": batch.rewards.tolist(),

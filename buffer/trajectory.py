@@ -29,9 +29,12 @@ TENSOR_FIELDS = (
     "replayed",  # [B] bool: True for rows a training batch replays from an earlier epoch
     # Several rewards (a weighted_sum spec): each term's unweighted reward, [B, R] float32; [B, 0] otherwise.
     "reward_terms",
+    # Per-step or per-reward advantages of a credit scheme that needs them (ReCAST: [B, T] "pre",
+    # [B, R] "loss"; buffer/credit.py); [B, 0] when the one advantage per row is all there is.
+    "term_advantages",
 )
 # Fields that may have no columns ([B, 0]); the Arrow form leaves them out then (and reads them back so).
-_OPTIONAL_WIDTH = ("reward_terms",)
+_OPTIONAL_WIDTH = ("reward_terms", "term_advantages")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class TrajectoryBatch:
     advantages: torch.Tensor = None
     replayed: torch.Tensor = None
     reward_terms: torch.Tensor = None
+    term_advantages: torch.Tensor = None
     # Sampling settings the log-probs depend on; identical for all rows of a batch.
     meta: dict = field(default_factory=dict)
 

@@ -18,12 +18,15 @@ from pathlib import Path
 import yaml
 
 from diffrlhf.buffer import advantages, replay
+from diffrlhf.buffer.credit import RECAST_MODES
+from diffrlhf.learner import recast
 from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
 from diffrlhf.learner.timesteps import SELECTIONS
 from diffrlhf.learner.update import ALGORITHMS, LOGPROB_MODES, UpdateSettings
 from diffrlhf.learner.weighting import SCHEMES
 from diffrlhf.policy.models import DEVICES, DTYPES
 from diffrlhf.policy.sampler import SamplingSettings
+from diffrlhf.rewards import weighted_sum_weights
 from diffrlhf.rewards.serving import NAN_POLICIES
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -96,6 +99,23 @@ class WeightingConfig:
     oracle_trajectories: int = 4
     oracle_branches: int = 4
     oracle_every: int = 0  # re-measure after every this many updates (0: once, before the first)
+
+
+@dataclass
+class RecastConfig:
+    # ReCAST (several rewards, each weighted at the steps where it informs; learner/recast.py,
+    # buffer/credit.py): off | pre (per-step mixed reward) | loss (per-reward losses). Needs a
+    # weighted_sum reward of >= 2 terms; their weights are the budgets lambda_i.
+    mode: str = _UPDATE.recast
+    alpha: float = _default(recast.recast_weights, "alpha")  # the Renyi divergence's order
+    temperature: float = _default(recast.recast_weights, "temperatures")  # tau: Sinkhorn kernel exp(g_hat / tau)
+    sinkhorn_iterations: int = _default(recast.recast_weights, "iterations")
+    sinkhorn_tolerance: float = _default(recast.recast_weights, "tolerance")
+    # the probe (actors/recast_probe.py): P trajectories, M fresh samples of each prompt and M
+    # branches at each step; its P * M * T + P reward queries count in the run's budget
+    trajectories: int = 4
+    branches: int = 4
+    every: int = 0  # re-measure W after every this many updates (0: once, before the first)
 
 
 @dataclass
@@ -175,6 +195,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     weighting: WeightingConfig = field(default_factory=WeightingConfig)
+    recast: RecastConfig = field(default_factory=RecastConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -199,6 +220,7 @@ _CHOICES = {
     "replay.logprob_mode": LOGPROB_MODES,
     "train.timestep_selection": SELECTIONS,
     "algorithm.name": ALGORITHMS,
+    "recast.mode": RECAST_MODES,
 }
 # key -> (predicate, what is allowed)
 _RANGES = {
@@ -219,6 +241,13 @@ _RANGES = {
     "weighting.oracle_trajectories": (lambda v: v >= 2, ">= 2 (the standard error is over trajectories)"),
     "weighting.oracle_branches": (lambda v: v >= 2, ">= 2 (a variance needs two branches)"),
     "weighting.oracle_every": (lambda v: v >= 0, ">= 0 (0: measure once)"),
+    "recast.alpha": (lambda v: v > 0 and v != 1, "> 0 and != 1 (1 is the KL limit, not the Renyi formula)"),
+    "recast.temperature": (lambda v: v > 0, "> 0"),
+    "recast.sinkhorn_iterations": (lambda v: v >= 1, ">= 1"),
+    "recast.sinkhorn_tolerance": (lambda v: v > 0, "> 0"),
+    "recast.trajectories": (lambda v: v >= 1, ">= 1"),
+    "recast.branches": (lambda v: v >= 2, ">= 2 (a conditional mean over one branch is the reward itself)"),
+    "recast.every": (lambda v: v >= 0, ">= 0 (0: measure once)"),
     "replay.max_epochs": (lambda v: v >= 0, ">= 0"),
     "replay.k": (lambda v: v >= 0, ">= 0"),
     "train.epochs": (lambda v: v >= 0, ">= 0"),
@@ -320,12 +349,35 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"config key 'system.colocate': true pairs sampler i with learner i in one bundle (one GPU), so "
                           f"system.num_samplers ({cfg.system.num_samplers}) must equal system.num_learners "
                           f"({cfg.system.num_learners}); set them equal or system.colocate=false")
+    if cfg.recast.mode != "off":
+        _validate_recast(cfg)
     if cfg.samples_per_epoch() % cfg.train.batch_size:
         raise ConfigError(
             f"config key 'train.batch_size': value {cfg.train.batch_size} must divide the epoch size "
             f"sample.batch_size * sample.batches_per_epoch = {cfg.samples_per_epoch()}"
         )
     return cfg
+
+
+def _validate_recast(cfg: Config) -> None:
+    mode = cfg.recast.mode
+    budgets = weighted_sum_weights(cfg.reward.spec)
+    if budgets is None or len(budgets) < 2:
+        raise ConfigError(f"config key 'recast.mode': {mode!r} weights several rewards, so reward.spec must be a weighted_sum "
+                          "of >= 2 terms (their weights are the budgets), e.g. {name: weighted_sum, terms: [{name: "
+                          "jpeg_compressibility, weight: 0.5}, {name: tinyworld_alignment, weight: 0.5}]}; or set recast.mode=off")
+    if any(b <= 0 for b in budgets):
+        raise ConfigError(f"config key 'reward.spec': recast.mode={mode} takes the weighted_sum's weights as budgets, which "
+                          f"must all be > 0, got {budgets}")
+    if cfg.advantage.mode == "per_prompt":
+        raise ConfigError(f"config key 'advantage.mode': recast.mode={mode} normalises each step's (or each reward's) "
+                          "rewards over the epoch, so choose group or batch (per_prompt's tracker holds one reward's history)")
+    if cfg.algorithm.name != "ddpo":
+        raise ConfigError(f"config key 'algorithm.name': recast.mode={mode} is built on ddpo's loss only, got "
+                          f"{cfg.algorithm.name!r}; set algorithm.name=ddpo or recast.mode=off")
+    if cfg.weighting.scheme == "oracle":
+        raise ConfigError(f"config key 'weighting.scheme': recast.mode={mode} runs its own probe; combine it with a "
+                          "fixed scheme (uniform, ddim_std, ...), not oracle")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

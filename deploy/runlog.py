@@ -6,6 +6,8 @@
       tb/                    TensorBoard scalars (same numbers)
       reward_curve.png       mean reward (+/- s.e.) against reward queries
       reward_terms.png       each reward's epoch mean against reward queries (a weighted_sum reward)
+      recast.jsonl           ReCAST's probes: W, gains, discriminability, shifts (recast.mode != off)
+      recast_weights.png     the last probe's W (rewards x steps) and each reward's gains
       grids/epoch_XXXX.png   sample images of chosen epochs
       lora/epoch_XXXX/       diffusers-format LoRA (pipe.load_lora_weights(folder))
       checkpoint/            the resumable state, checkpoint.prev/ the one before (see actors/checkpoint.py)
@@ -152,6 +154,14 @@ class RunLogger:
         plt.close(fig)
         return out
 
+    def log_recast(self, result: dict) -> Path:
+        """One ReCAST probe: a line of recast.jsonl and recast_weights.png (its W and gains)."""
+        keys = ("round", "term_names", "budgets", "shifts", "queries", "weights", "gains", "discriminability")
+        line = {k: np.asarray(result[k]).tolist() if k in ("weights", "gains", "discriminability") else result[k] for k in keys}
+        with open(self.dir / "recast.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return save_recast_picture(result, self.dir / "recast_weights.png")
+
     def save_grid(self, images, captions: list[str], name: str, cols: int = 8) -> Path:
         out = self.dir / "grids" / f"{name}.png"
         save_image_grid(images, captions, out, cols)
@@ -186,6 +196,35 @@ def save_image_grid(images, captions: list[str] | None, path: str | Path, cols: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
+    return path
+
+
+def save_recast_picture(result: dict, path: str | Path) -> Path:
+    """W as a heatmap (rewards x denoising steps, the first step left) beside each reward's gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w, g, names = np.asarray(result["weights"]), np.asarray(result["gains"]), result["term_names"]
+    t = w.shape[1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.6 * len(names) + 2), gridspec_kw={"width_ratios": [3, 2]})
+    im = a.imshow(t * w, aspect="auto", cmap="viridis", vmin=0)
+    a.set_yticks(range(len(names)), names)
+    a.set_xlabel("denoising step (1 = from pure noise)")
+    a.set_xticks(range(0, t, max(1, t // 10)), [str(i + 1) for i in range(0, t, max(1, t // 10))])
+    a.set_title(f"ReCAST T*W after {result['round']} updates (each column sums to 1)", fontsize=10)
+    fig.colorbar(im, ax=a, fraction=0.04)
+    for i, name in enumerate(names):
+        b.plot(range(1, t + 1), g[i], marker="o", ms=3, label=name)
+    b.set_xlabel("denoising step")
+    b.set_ylabel("discriminability gain")
+    b.grid(alpha=0.3)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 

@@ -13,7 +13,9 @@ trajectories (current epoch plus replay), with DDPO's semantics:
     at the end of an inner epoch is stepped too, so no sample's gradient is dropped;
   * gradients are clipped to max_grad_norm before each step.
 The advantage of step i of trajectory b is c_bi * w_i * A_b with w from learner/weighting.py and
-c the selection's coefficient (1 except for `weighted`).
+c the selection's coefficient (1 except for `weighted`). Under ReCAST (settings.recast, from
+recast.mode; learner/credit.py) A_b is replaced by the credit part's terms: step i's own advantage
+A_b,i (pre), or one clipped loss per reward r with advantage c_bi * w_i * (T W)_r,i * A_b,r (loss).
 The algorithm (`algorithm.name`): `ddpo` is the above; `dpok` (Fan et al. 2023) scales the advantage by
 alpha (reward_scale) and adds beta (kl_coef) times c times the per-step KL between the policy's DDIM
 step and the pretrained model's (learner/loss.py dpok_loss), the pretrained mean coming from the same
@@ -39,6 +41,7 @@ import torch
 
 from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.learner.credit import build_credit
 from diffrlhf.learner.distributed import Group
 from diffrlhf.learner.lora import (DEFAULT_RANK, DEFAULT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict,
                                    lora_parameters, lora_state_dict)
@@ -82,6 +85,7 @@ class UpdateSettings:
     # DPOK's beta: weight of the per-step KL (summed over latent elements) to the pretrained model.
     kl_coef: float = 0.01
     reward_scale: float = 1.0  # DPOK's alpha: the advantage's scale in the policy-gradient term
+    recast: str = "off"  # one of buffer.credit.RECAST_MODES: ReCAST's per-reward credit over the steps (off: DDPO's)
 
 
 class PolicyLearner:
@@ -101,6 +105,7 @@ class PolicyLearner:
         self.group = Group()  # a single learner; a learner group's rank sets its own (learner/distributed.py)
         self.passes_total = 0  # trajectory-steps trained over the run (the compute axis of the curves)
         self.timestep_profile: torch.Tensor | None = None  # the `oracle` weighting's measured per-step variance
+        self.recast_weights: torch.Tensor | None = None  # ReCAST's W [R, T], measured by the run's probe
 
     # ------------------------------------------------------------------ policy evaluation
 
@@ -161,6 +166,7 @@ class PolicyLearner:
         if s.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {s.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         dpok = s.algorithm == "dpok"
+        credit = build_credit(s.recast, self.recast_weights)
         if shard.num_rows == 0:
             return self._empty_update(t_start)
         self._set_schedule(batch)
@@ -204,14 +210,17 @@ class PolicyLearner:
                             forward_passes += len(rows)
                         logp, mean, std = self.step(z, ts, batch.latents[rows, steps + 1], emb)
                         calls, passes = calls + 1, passes + len(rows)
-                        step_adv = (coef[mine, j] * w[steps] * batch.advantages[rows]).to(logp.device)
+                        # [n, K]: the credit's K advantage terms of each (row, step), times c * w(t)
+                        step_adv = ((coef[mine, j] * w[steps])[:, None] * credit.step_advantages(batch, rows, steps)).to(logp.device)
                         old = old_logp[rows, steps].to(logp.device)
                         if dpok:
                             kl = gaussian_kl_equal_std(mean, mean_pre, std)
-                            loss, info = dpok_loss(logp, old, step_adv, s.clip_range, kl, s.kl_coef, s.reward_scale,
+                            loss, info = dpok_loss(logp, old, step_adv[:, 0], s.clip_range, kl, s.kl_coef, s.reward_scale,
                                                    kl_weights=coef[mine, j])
                         else:
-                            loss, info = ppo_clipped_loss(logp, old, step_adv, s.clip_range)
+                            loss, info = ppo_clipped_loss(logp, old, step_adv[:, 0], s.clip_range)
+                            for term in range(1, step_adv.shape[1]):  # recast_loss: one clipped loss per reward
+                                loss = loss + ppo_clipped_loss(logp, old, step_adv[:, term], s.clip_range)[0]
                         (loss * share / accum).backward()
                         clipped = ((torch.exp(logp - old) - 1).abs() > (s.clip_range or float("inf"))).double().cpu()
                         rep, n = is_replay[rows], len(rows)
@@ -272,12 +281,17 @@ class PolicyLearner:
         """The `oracle` weighting's per-step variance, measured by the run's probe (actors/oracle.py)."""
         self.timestep_profile = torch.as_tensor(profile, dtype=torch.float64).clone()
 
+    def set_recast_weights(self, weights) -> None:
+        """ReCAST's W [R, T], measured by the run's probe (actors/recast_probe.py)."""
+        self.recast_weights = torch.as_tensor(weights, dtype=torch.float64).clone()
+
     def lora_state(self) -> dict[str, torch.Tensor]:
         return lora_state_dict(self.c.unet)
 
     def state_dict(self) -> dict:
         return {"lora": self.lora_state(), "optimizer": self.optimizer.state_dict(), "version": self.version,
-                "passes_total": self.passes_total, "timestep_profile": self.timestep_profile}
+                "passes_total": self.passes_total, "timestep_profile": self.timestep_profile,
+                "recast_weights": self.recast_weights}
 
     def load_state_dict(self, state: dict) -> None:
         load_lora_state_dict(self.c.unet, state["lora"])
@@ -285,3 +299,4 @@ class PolicyLearner:
         self.version = state["version"]
         self.passes_total = state.get("passes_total", 0)  # checkpoints from before passes were counted
         self.timestep_profile = state.get("timestep_profile")
+        self.recast_weights = state.get("recast_weights")

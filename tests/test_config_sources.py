@@ -9,6 +9,7 @@ import pytest
 
 from diffrlhf.actors.settings import REWARD_PYTHON_ENV, reward_runtime_env, sampling_settings, update_settings
 from diffrlhf.buffer import advantages, replay
+from diffrlhf.buffer.credit import RECAST_MODES
 from diffrlhf.deploy import config
 from research.bench import study
 from diffrlhf.deploy.config import Config, ConfigError, flatten, load_config
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 UPDATE_KEYS_ELSEWHERE = {"weighting": "weighting.scheme", "gaussian_width": "weighting.gaussian_width",
                          "logprob_mode": "replay.logprob_mode", "eta": "sample.eta", "guidance_scale": "sample.guidance_scale",
                          "total_epochs": "train.epochs", "algorithm": "algorithm.name", "kl_coef": "algorithm.kl_coef",
-                         "reward_scale": "algorithm.reward_scale"}
+                         "reward_scale": "algorithm.reward_scale", "recast": "recast.mode"}
 NOT_SHARED_DEFAULT = {"total_epochs"}  # the run's length: the learner alone has no default but 0 (no window schedule)
 NOT_LEARNER = {"epochs"}  # train.* keys the driver reads, not the learner
 NOT_SAMPLER = {"batch_size", "batches_per_epoch", "samples_per_prompt"}  # sample.* keys of the driver's schedule
@@ -43,7 +44,7 @@ def test_allowed_values_are_the_implementing_modules_own():
     expected = {"model.dtype": models.DTYPES, "model.device": models.DEVICES, "reward.nan_policy": NAN_POLICIES,
                 "advantage.mode": advantages.MODES, "weighting.scheme": weighting.SCHEMES, "replay.mode": replay.MODES,
                 "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS,
-                "algorithm.name": ALGORITHMS}
+                "algorithm.name": ALGORITHMS, "recast.mode": RECAST_MODES}
     assert config._CHOICES.keys() == expected.keys()
     for key, allowed in expected.items():
         assert config._CHOICES[key] is allowed, f"{key}: the config restates its allowed values instead of reading them"
@@ -66,18 +67,23 @@ def test_update_settings_carry_every_learner_key_of_the_config():
     oracle_src = (Path(__file__).resolve().parents[1] / "actors" / "oracle.py").read_text()
     assert probe_keys and all(f"cfg.weighting.{k}" in oracle_src for k in probe_keys)
     assert {f"weighting.{k}" for k in set(fields(config.WeightingConfig)) - probe_keys} <= {update_key(f) for f in update_fields}
+    # recast.*: the learner takes the mode; the probe (actors/recast_probe.py) reads every other key.
+    recast_src = (Path(__file__).resolve().parents[1] / "actors" / "recast_probe.py").read_text()
+    assert all(f"cfg.recast.{k}" in recast_src for k in set(fields(config.RecastConfig)) - {"mode"})
     # Every field gets its key's value: set each key to a value unlike its default.
     values = {"lr": 0.0123, "adam_beta1": 0.81, "adam_beta2": 0.987, "weight_decay": 0.0021, "adam_eps": 3e-7,
               "clip_range": 0.07, "max_grad_norm": 2.5, "timestep_fraction": 0.6, "timestep_selection": "weighted",
               "total_epochs": 17, "inner_epochs": 3, "batch_size": 16,
               "grad_accum_steps": 3, "weighting": "gaussian_mid", "gaussian_width": 0.33, "logprob_mode": "recompute",
               "eta": 0.7, "guidance_scale": 3.5, "algorithm": "dpok", "kl_coef": 0.05, "reward_scale": 2.0}
-    assert values.keys() == update_fields
+    assert values.keys() == update_fields - {"recast"}  # recast needs ddpo and a weighted_sum: set on its own below
     defaults = flatten(Config().to_dict())
     assert all(values[f] != defaults[update_key(f)] for f in values), "pick values that differ from the defaults"
     cfg = load_config(None, overrides=[f"{update_key(f)}={v}" for f, v in values.items()])
     s = update_settings(cfg)
     assert {f: getattr(s, f) for f in values} == values
+    two = "reward.spec={name: weighted_sum, terms: [jpeg_compressibility, tinyworld_alignment]}"
+    assert update_settings(load_config(None, overrides=[two, "advantage.mode=batch", "recast.mode=loss"])).recast == "loss"
     # One set of defaults: the config's are the learner's.
     shared = update_fields - NOT_SHARED_DEFAULT
     assert {f: defaults[update_key(f)] for f in shared} == {f: getattr(UpdateSettings(), f) for f in shared}
