@@ -16,8 +16,6 @@ import math
 
 import torch
 
-from diffrlhf.learner.loss import ppo_clipped_loss
-
 
 class SinkhornError(RuntimeError):
     """Sinkhorn did not meet its marginals within the iterations it was given."""
@@ -142,22 +140,3 @@ def recast_weights(conditional_means, prompt_means, budgets, alpha=2.0, temperat
     return {"discriminability": d, "gains": g,
             "weights": sinkhorn_weights(g, budgets, temperatures, iterations, tolerance)}
 
-
-def loss_mode_advantages(reward_advantages, weights, steps) -> torch.Tensor:
-    """ReCAST's "loss" aggregation at the trained steps: [n, R], reward i's advantage times (T W)_{i, s}.
-
-    reward_advantages [n, R] (each reward's own advantage of the row), weights W [R, T], steps [n]
-    (the step each row trains). Summing the clipped PPO loss over the R columns weights reward i's
-    loss at step s by (T W)_{i, s}, because that loss is positively homogeneous in the advantage."""
-    a = torch.as_tensor(reward_advantages)
-    w = _float64(weights, "weights")
-    if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[0]:
-        raise ValueError(f"need reward_advantages [n, R] and weights [R, T] with the same R, got {tuple(a.shape)} and {tuple(w.shape)}")
-    steps = torch.as_tensor(steps).long()
-    return (a.double() * (w.shape[1] * w[:, steps]).T).to(a.dtype)
-
-
-def loss_mode_loss(log_prob, old_log_prob, term_advantages, clip_range):
-    """The "loss" aggregation's loss: the sum over reward columns of the clipped PPO loss."""
-    terms = [ppo_clipped_loss(log_prob, old_log_prob, term_advantages[:, i], clip_range)[0] for i in range(term_advantages.shape[1])]
-    return torch.stack(terms).sum()

@@ -1,5 +1,5 @@
 """ReCAST's two aggregations (issue 53, step 1: the math, no Ray): "pre" (buffer/credit.py, each
-step's mixed reward normalised into an advantage) and "loss" (learner/recast.py, per-reward
+step's mixed reward normalised into an advantage) and "loss" (learner/credit.py, per-reward
 advantages weighted by T W in the loss), against hand computations and the weighted sum."""
 import numpy as np
 import pytest
@@ -7,7 +7,9 @@ import torch
 
 from diffrlhf.buffer.advantages import AdvantageComputer
 from diffrlhf.buffer.credit import RecastCredit, check_weights, recast_advantages
-from diffrlhf.learner.recast import loss_mode_advantages, loss_mode_loss, sinkhorn_weights
+from diffrlhf.learner.credit import build_credit
+from diffrlhf.learner.loss import ppo_clipped_loss
+from diffrlhf.learner.recast import sinkhorn_weights
 from diffrlhf.rewards import WeightedSum
 
 RNG = np.random.default_rng(0)
@@ -49,11 +51,15 @@ def test_loss_mode_gives_each_reward_its_own_advantage_and_weights_it_by_tw_in_t
     for i in range(R):
         np.testing.assert_allclose(adv[:, i], batch_adv(PROMPTS, TERMS[:, i]), atol=1e-6)
     steps = torch.tensor([0, 1, 2, 3, 4, 0, 2, 4])
-    terms = loss_mode_advantages(torch.from_numpy(adv), w, steps)
+    # the learner's half (learner/credit.py) as PolicyLearner.update uses it: one clipped loss per reward column
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(term_advantages=torch.from_numpy(adv))
+    terms = build_credit("loss", w).step_advantages(batch, torch.arange(B), steps).double()
     logp = torch.tensor(RNG.normal(scale=0.05, size=B))
     old = torch.zeros(B, dtype=torch.float64)
     clip = 0.02
-    got = loss_mode_loss(logp, old, terms, clip)
+    got = sum(ppo_clipped_loss(logp, old, terms[:, i], clip)[0] for i in range(terms.shape[1]))
     # by hand: mean over rows of sum_i (T W)_{i,s} * max(-A_i r, -A_i clip(r))
     r = np.exp(logp.numpy())
     hand = 0.0
