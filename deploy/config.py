@@ -396,6 +396,8 @@ def parse_override(text: str) -> dict:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
     value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+        value = raw.strip()  # YAML 1.1 reads off/on/yes/no as booleans; recast.mode=off means the word
     if isinstance(value, str) and _looks_numeric(raw):
         value = float(raw)  # YAML 1.1 reads '1e-3' as a string
     node: dict = {}

@@ -265,3 +265,11 @@ def test_help_lists_the_exit_codes(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "exit codes" in out and "130" in out and "--debug" in out and "--resume" in out
+
+
+def test_yaml_boolean_words_stay_words_for_string_keys():
+    """YAML 1.1 reads off/on/yes/no as booleans; on the command line `recast.mode=off` is the word."""
+    assert load_config("tiny", overrides=["recast.mode=off"]).recast.mode == "off"
+    assert load_config("tiny", overrides=["system.colocate=false"]).system.colocate is False
+    with pytest.raises(ConfigError, match="system.colocate"):
+        load_config("tiny", overrides=["system.colocate=no"])  # a bool key takes true/false, said by name

@@ -1,0 +1,127 @@
+"""Does ReCAST move the two-reward front outward? (issue 60) The plan, its runs and their status.
+
+    python -m research.bench.recast_study plan      # the pre-registered plan and its digest (RESULTS 25)
+    python -m research.bench.recast_study status    # done / left per method and weight, CPU hours left
+
+PLAN is fixed before any of its runs and quoted in RESULTS by digest (tests/test_recast_study.py).
+Each run is the single-process reference loop on the embedded default with a weighted_sum of the
+two rewards, saved as one file per (method, weight, seed, real/control) under
+research/results/recast_study/runs/...; the runner that executes them (with per-reward held-out
+evaluation) is the next step of the issue.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from research.bench.common import RESULTS_DIR
+
+PLAN = {
+    "rewards": ["jpeg_compressibility", "tinyworld_alignment"],
+    # the shuffled-reward drift controls of each term (research/controls.py), summed with the same weights
+    "controls": {"jpeg_compressibility": "research.controls:ShuffledJpegCompressibility",
+                 "tinyworld_alignment": "research.controls:ShuffledTinyWorldAlignment"},
+    "weights_on_first": [0.25, 0.5, 0.75],  # lambda on JPEG compressibility; the alignment reward gets 1 - lambda
+    "methods": {"weighted_sum": {"recast.mode": "off"}, "recast_pre": {"recast.mode": "pre"}, "recast_loss": {"recast.mode": "loss"}},
+    # every method: the tiny preset's ddim_std weighting and lr/clip, batch advantages (ReCAST's
+    # requirement, so the weighted sum uses them too), 30 epochs of 32 samples
+    "common": ["advantage.mode=batch", "train.epochs=30"],
+    # the probe (recast.*'s defaults: 4 trajectories x 4 branches x 20 steps + 4 = 324 queries, once)
+    # counts in ReCAST's queries; the weighted sum makes none
+    "seeds": [300, 301, 302, 303, 304],  # fresh: used by nothing else
+    "measures": ["each reward's mean over the last 3 epochs minus epoch 0, net of the same seed's control run, at equal total reward queries "
+                 "(the weighted sum's curve read at ReCAST's total, probe included)",
+                 "each reward's held-out mean (prompts.eval, fixed noise), net of the control's"],
+    "comparisons": "each ReCAST mode against the weighted sum at the same lambda, per reward (2 modes x 3 weights x 2 rewards = 12)",
+    "test": "paired t-test over the 5 seeds of the net training gain difference, two-sided",
+    "correction": "Holm across the 12 comparisons at family-wise 0.05",
+    "front": "ReCAST moves the front outward at a lambda if it is above the weighted sum on one reward (Holm) and not below it on the other "
+             "(the difference's 95% interval reaches 0 or above)",
+    "pictures": "the Pareto picture (mean net gain of reward 1 against reward 2, per method and lambda, seed 95% intervals); W and the gains per reward",
+}
+
+
+def plan_digest() -> str:
+    return hashlib.sha256(json.dumps(PLAN, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec(weight: float, control: bool = False) -> dict:
+    """The weighted_sum reward spec of one lambda (the controls' terms for a control run)."""
+    names = [PLAN["controls"][r] if control else r for r in PLAN["rewards"]]
+    return {"name": "weighted_sum", "terms": [{"name": names[0], "weight": weight}, {"name": names[1], "weight": round(1 - weight, 10)}]}
+
+
+def jobs() -> list[dict]:
+    """Every run, seed-major (all methods and weights of a seed, each beside its control, before the next seed)."""
+    return [{"method": m, "weight": w, "seed": s, "control": c}
+            for s in PLAN["seeds"] for m in PLAN["methods"] for w in PLAN["weights_on_first"] for c in (False, True)]
+
+
+def run_path(out: Path, job: dict) -> Path:
+    kind = "control" if job["control"] else "real"
+    return out / "runs" / job["method"] / f"lambda{job['weight']:g}" / kind / f"seed{job['seed']}.json"
+
+
+def overrides(job: dict) -> list[str]:
+    return [*PLAN["common"], *(f"{k}={v}" for k, v in PLAN["methods"][job["method"]].items()),
+            f"reward.spec={json.dumps(spec(job['weight'], job['control']))}", f"run.seed={job['seed']}"]
+
+
+PRIOR_RUN_S = 6.0 * 60  # the alignment reward's 30-epoch runs took ~5.8 min at one thread; two rewards score both
+
+
+def status(out: Path) -> dict:
+    cells, walls = {}, []
+    for job in jobs():
+        key = f"{job['method']} / lambda {job['weight']:g}"
+        c = cells.setdefault(key, {"done": 0, "left": 0})
+        path = run_path(out, job)
+        if path.exists():
+            c["done"] += 1
+            walls.append(json.loads(path.read_text()).get("wall_s", PRIOR_RUN_S))
+        else:
+            c["left"] += 1
+    per_run = float(np.median(walls)) if walls else PRIOR_RUN_S
+    left = sum(c["left"] for c in cells.values())
+    return {"cells": cells, "done": sum(c["done"] for c in cells.values()), "left": left, "cpu_hours_left": left * per_run / 3600,
+            "seconds_per_run": per_run, "measured": bool(walls)}
+
+
+def plan_markdown() -> str:
+    p = PLAN
+    return "\n".join([
+        f"Plan digest `{plan_digest()}` (`python -m research.bench.recast_study plan`).", "",
+        f"- Rewards: {p['rewards'][0]} (weight lambda) and {p['rewards'][1]} (1 - lambda), lambda in {p['weights_on_first']}.",
+        "- Methods: " + "; ".join(f"`{m}` ({', '.join(f'{k}={v}' for k, v in o.items())})" for m, o in p["methods"].items())
+        + f"; every run: {', '.join(p['common'])}, the tiny preset otherwise; ReCAST's probe queries count in its total.",
+        f"- Seeds {p['seeds']}, fresh; each real run beside a control run whose terms are the shuffled rewards "
+        f"({', '.join(p['controls'].values())}) at the same weights.",
+        "- Measures: " + "; ".join(p["measures"]) + ".",
+        f"- Comparisons: {p['comparisons']}. Test: {p['test']}; correction: {p['correction']}.",
+        f"- The front: {p['front']}.",
+        f"- Pictures: {p['pictures']}.",
+        f"- Runs: {len(jobs())} (3 methods x 3 weights x 5 seeds, each with its control)."])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m research.bench.recast_study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["plan", "status"])
+    ap.add_argument("--out", default=str(RESULTS_DIR / "recast_study"))
+    args = ap.parse_args(argv)
+    if args.command == "plan":
+        print(plan_markdown())
+        return PLAN
+    st = status(Path(args.out))
+    for k, c in st["cells"].items():
+        print(f"{k:<32} done {c['done']:>3}  left {c['left']:>3}")
+    print(f"total: {st['done']} done, {st['left']} left; about {st['cpu_hours_left']:.1f} CPU hours left at "
+          f"{st['seconds_per_run'] / 60:.1f} min a run{'' if st['measured'] else ' (prior)'}")
+    return st
+
+
+if __name__ == "__main__":
+    main()

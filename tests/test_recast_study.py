@@ -1,0 +1,26 @@
+"""Issue 60's plan (research/bench/recast_study.py): fresh seeds, one file per run, controls of the
+same weights, every run a valid config, and the plan quoted in RESULTS by its digest."""
+from pathlib import Path
+
+from diffrlhf.deploy.config import load_config
+from research.bench import recast_study as rs
+from research.bench import tuning
+
+
+def test_seeds_are_fresh_and_every_run_has_its_own_file_and_a_valid_config(tmp_path):
+    assert not set(rs.PLAN["seeds"]) & (set(tuning.PLAN["tuning_seeds"]) | set(tuning.PLAN["confirm_seeds"]))
+    jobs = rs.jobs()
+    assert len(jobs) == 3 * 3 * 5 * 2 and len({rs.run_path(tmp_path, j) for j in jobs}) == len(jobs)
+    for j in jobs[:12]:  # the first seed: every method and weight, real and control
+        cfg = load_config("tiny", overrides=rs.overrides(j))
+        terms = cfg.reward.spec["terms"]
+        assert [t["weight"] for t in terms] == [j["weight"], round(1 - j["weight"], 10)]
+        assert ("research.controls:" in terms[0]["name"]) == j["control"] and cfg.advantage.mode == "batch"
+        assert cfg.recast.mode == rs.PLAN["methods"][j["method"]]["recast.mode"]
+    st = rs.status(tmp_path)
+    assert (st["done"], st["left"]) == (0, len(jobs))
+
+
+def test_results_quotes_the_plan_it_was_committed_with():
+    results = (Path(__file__).resolve().parents[1] / "RESULTS.md").read_text()
+    assert f"Plan digest `{rs.plan_digest()}`" in results
