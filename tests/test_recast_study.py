@@ -24,3 +24,20 @@ def test_seeds_are_fresh_and_every_run_has_its_own_file_and_a_valid_config(tmp_p
 def test_results_quotes_the_plan_it_was_committed_with():
     results = (Path(__file__).resolve().parents[1] / "RESULTS.md").read_text()
     assert f"Plan digest `{rs.plan_digest()}`" in results
+
+
+def test_the_runner_saves_a_real_and_a_control_run_with_each_rewards_held_out_mean(tmp_path):
+    import json
+
+    real, control = [j for j in rs.jobs() if j["method"] == "recast_pre" and j["weight"] == 0.5][:2]
+    for job in (real, control):
+        path = rs.run_job(tmp_path, job, size="tiny", nice=0)
+        saved = json.loads(open(path).read())
+        assert saved["plan_digest"] == rs.plan_digest() and len(saved["records"]) == 2
+        assert saved["eval"]["term_names"] == (["research.controls:ShuffledJpegCompressibility", "research.controls:ShuffledTinyWorldAlignment"]
+                                                if job["control"] else ["jpeg_compressibility", "tinyworld_alignment"])
+        assert len(saved["eval"]["term_means"]) == 2
+        probe = 2 + 2 * 2 * 3
+        assert [r["reward_queries"] for r in saved["records"]] == [probe + 4, probe + 8]
+        assert "reward_mean/" + saved["eval"]["term_names"][1] in saved["records"][0]
+    assert rs.status(tmp_path)["done"] == 2

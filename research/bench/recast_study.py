@@ -2,12 +2,12 @@
 
     python -m research.bench.recast_study plan      # the pre-registered plan and its digest (RESULTS 25)
     python -m research.bench.recast_study status    # done / left per method and weight, CPU hours left
+    nohup python -m research.bench.recast_study run --jobs 2 --max-runs 12 > recast.log 2>&1 &   # a chunk
 
 PLAN is fixed before any of its runs and quoted in RESULTS by digest (tests/test_recast_study.py).
 Each run is the single-process reference loop on the embedded default with a weighted_sum of the
 two rewards, saved as one file per (method, weight, seed, real/control) under
-research/results/recast_study/runs/...; the runner that executes them (with per-reward held-out
-evaluation) is the next step of the issue.
+research/results/recast_study/runs/... (with each reward's held-out mean), reused when it exists.
 """
 from __future__ import annotations
 
@@ -91,6 +91,81 @@ def status(out: Path) -> dict:
             "seconds_per_run": per_run, "measured": bool(walls)}
 
 
+SIZES = {  # what --size runs: the plan's runs, or a check that the runner works (numbers mean nothing)
+    "full": dict(extra=["model.device=cpu", "run.image_grid_every=0", "run.tensorboard=false"], eval_samples=32),
+    "tiny": dict(extra=["model.name=tiny-random", "model.device=cpu", "sample.num_steps=3", "sample.resolution=32",
+                        "sample.batch_size=4", "sample.batches_per_epoch=1", "train.batch_size=4", "train.epochs=2",
+                        "recast.trajectories=2", "recast.branches=2", "run.image_grid_every=0", "run.tensorboard=false"],
+                 eval_samples=4),
+}
+EVAL_SEED_BASE = 987_654_321  # the study's held-out noise seeds (research/bench/study.py): the same for every run
+
+
+def heldout_terms(components, negative_embeds, cfg, n: int, version: int) -> dict:
+    """Each reward's held-out mean: n images of prompts.eval (cycled, fixed noise), scored by the run's
+    weighted_sum server (not counted as training queries)."""
+    from diffrlhf.actors.settings import reward_server, sampling_settings
+    from diffrlhf.policy.prompts import load_prompts
+    from diffrlhf.policy.sampler import sample_trajectories
+
+    prompts = load_prompts(cfg.prompts.eval)
+    server, bs, terms, names = reward_server(cfg), cfg.sample.batch_size, [], None
+    for s in range(0, n, bs):
+        ids = list(range(s, min(n, s + bs)))
+        batch = sample_trajectories(components, [prompts[i % len(prompts)] for i in ids], [EVAL_SEED_BASE + i for i in ids],
+                                    sampling_settings(cfg), version, ids, negative_embeds)
+        res = server.score(ids, batch.images.numpy(), batch.prompts)
+        terms.append(res.terms)
+        names = res.term_names
+    t = np.concatenate(terms)
+    return {"samples": n, "term_names": names, "term_means": t.mean(0).tolist()}
+
+
+def run_job(out: Path, job: dict, size: str = "full", threads: int = 1, nice: int = 19) -> str:
+    """One run of the plan (the reference loop), saved the moment it ends; an existing file is kept."""
+    import os
+    import time
+
+    import torch
+
+    from diffrlhf.actors.reference_loop import run_reference
+    from diffrlhf.deploy.config import load_config
+    from research.bench.common import log, machine, write_json
+
+    path = run_path(out, job)
+    if path.exists():
+        return str(path)
+    os.nice(max(0, nice - os.nice(0)))
+    torch.set_num_threads(threads)
+    cfg = load_config("tiny", overrides=[*overrides(job), *SIZES[size]["extra"]])  # a size may shorten the plan's runs
+    evals, t0 = {}, time.time()
+    tag = f"{job['method']} lambda {job['weight']:g} seed {job['seed']}{' control' if job['control'] else ''}"
+
+    def on_epoch(epoch, batch, learner):
+        log("recast_study", f"{tag} epoch {epoch + 1}/{cfg.train.epochs} ({time.time() - t0:.0f}s)")
+        if epoch == cfg.train.epochs - 1:
+            evals.update(heldout_terms(learner.c, learner.negative_embeds, cfg, SIZES[size]["eval_samples"], learner.version))
+
+    records = run_reference(cfg, progress=False, on_epoch=on_epoch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"job": job, "plan_digest": plan_digest(), "config": cfg.to_dict(), "records": records, "eval": evals,
+                      "wall_s": time.time() - t0, "machine": machine()})
+    return str(path)
+
+
+def _run_job_star(args):
+    return run_job(*args)
+
+
+def run_jobs(out: Path, todo: list[dict], n_jobs: int, size: str) -> list[str]:
+    import multiprocessing
+
+    if n_jobs <= 1:
+        return [run_job(out, j, size) for j in todo]
+    with multiprocessing.get_context("spawn").Pool(n_jobs, maxtasksperchild=1) as pool:
+        return list(pool.imap_unordered(_run_job_star, [(out, j, size) for j in todo]))
+
+
 def plan_markdown() -> str:
     p = PLAN
     return "\n".join([
@@ -109,12 +184,18 @@ def plan_markdown() -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m research.bench.recast_study", description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["plan", "status"])
+    ap.add_argument("command", choices=["plan", "status", "run"])
     ap.add_argument("--out", default=str(RESULTS_DIR / "recast_study"))
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each, at nice 19")
+    ap.add_argument("--max-runs", type=int, help="stop after this many runs (a chunk)")
     args = ap.parse_args(argv)
     if args.command == "plan":
         print(plan_markdown())
         return PLAN
+    if args.command == "run":
+        todo = [j for j in jobs() if not run_path(Path(args.out), j).exists()][:args.max_runs]
+        return run_jobs(Path(args.out), todo, args.jobs, args.size)
     st = status(Path(args.out))
     for k, c in st["cells"].items():
         print(f"{k:<32} done {c['done']:>3}  left {c['left']:>3}")
