@@ -3,6 +3,9 @@
 A model spec is one of:
   * ``tiny-random``            a tiny SD1.5-architecture model with seeded random weights, built
                                offline into the cache on first use (fast; for tests);
+  * ``sd15-random``            SD1.5's architecture and size (860 M-parameter UNet) with seeded random
+                               weights, built offline into the cache on first use (~4.3 GB; for
+                               testing the roles at SD1.5's size; never what a preset falls back to);
   * ``tiny-world``             the embedded default: the tiny model pretrained by this project on
                                its procedural image set (see tinyworld/);
   * a local folder             in diffusers format (unet/, vae/, text_encoder/, tokenizer/, scheduler/);
@@ -21,10 +24,11 @@ from pathlib import Path
 import torch
 
 from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
-from diffrlhf.tinyworld.architecture import ensure_tiny_random
+from diffrlhf.tinyworld.architecture import ensure_sd15_random, ensure_tiny_random
 from diffrlhf.tinyworld.weights import TinyWorldWeightsError, ensure_tiny_world
 
 TINY_RANDOM = "tiny-random"
+SD15_RANDOM = "sd15-random"  # SD1.5's size, random weights: the name says so in the config, the log and the run folder
 TINY_WORLD = "tiny-world"
 DTYPES = ("float32", "float16", "bfloat16")  # model.dtype: the base model's torch dtype (LoRA stays fp32)
 DEVICES = ("auto", "cpu", "cuda")  # model.device, see resolve_device
@@ -79,6 +83,9 @@ def resolve_model(spec: str) -> Path:
     if spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":"):
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         return ensure_tiny_random(seed)
+    if spec == SD15_RANDOM or spec.startswith(SD15_RANDOM + ":"):
+        seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
+        return ensure_sd15_random(seed)
     if spec == TINY_WORLD:
         try:
             return ensure_tiny_world()

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
     """The quick tier (`-m quick`): every test that is neither `integration` (starts a Ray cluster, a
     CLI run or an install in another process) nor `slow`."""
     for item in items:
-        if not any(item.get_closest_marker(m) for m in ("integration", "slow")):
+        if not any(item.get_closest_marker(m) for m in ("integration", "slow", "sd15")):
             item.add_marker(pytest.mark.quick)
 
 

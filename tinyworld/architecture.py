@@ -137,6 +137,57 @@ def ensure_tiny_random(seed: int = 0) -> Path:
                              lambda tmp: save_components_folder(tmp, *build_tiny_components(seed)))
 
 
+# SD1.5's own shapes (runwayml/stable-diffusion-v1-5's configs): a random-weight model of the real
+# size, for testing the roles at SD1.5's size without hub weights (model.name=sd15-random).
+SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768, attention_head_dim=8)
+SD15_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512, scaling_factor=0.18215)
+SD15_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                 max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
+
+
+def _seeded_init(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """A cheap, seeded init of a module built on the meta device: norms at 1 / 0, biases 0, every other
+    tensor N(0, 0.02) (fan-in-scaled inits of 1.1 B parameters take minutes on a CPU; this takes seconds)."""
+    for name, p in sorted(module.named_parameters()):
+        with torch.no_grad():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name.split(".")[-2]:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_sd15_random_components(seed: int = 0):
+    """(unet, vae, text_encoder, scheduler) with SD1.5's architecture and seeded random weights, fp32.
+    Built on the meta device, then materialised and filled: seconds, not minutes."""
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        unet, vae = UNet2DConditionModel(**SD15_UNET), AutoencoderKL(**SD15_VAE)
+        text = CLIPTextModel(CLIPTextConfig(**SD15_TEXT))
+    out = []
+    for m in (unet, vae, text):
+        m = m.to_empty(device="cpu")
+        _seeded_init(m, gen)
+        for name, b in m.named_buffers():  # e.g. CLIP's position ids: rebuilt from their definition
+            if name.endswith("position_ids"):
+                b.copy_(torch.arange(b.shape[-1]).expand_as(b))
+        out.append(m.eval())
+    return (*out, DDIMScheduler(**SD15_SCHEDULER_CONFIG))
+
+
+def ensure_sd15_random(seed: int = 0) -> Path:
+    """Build (once) and return the folder of SD1.5's architecture with seeded random weights (~4.3 GB)."""
+    return build_folder_once(cache_dir() / f"sd15-random-seed{seed}-v1",
+                             lambda tmp: save_components_folder(tmp, *build_sd15_random_components(seed)))
+
+
 def to_vae_input(images) -> torch.Tensor:
     """uint8 images [B, H, W, 3] (numpy or torch) -> float [B, 3, H, W] in the VAE's range [-1, 1]."""
     return torch.as_tensor(images).permute(0, 3, 1, 2).float() / 127.5 - 1

@@ -41,15 +41,8 @@ from diffrlhf.policy.models import SDComponents
 from diffrlhf.policy.sampler import SamplingSettings, sample_trajectories
 from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder, write_clip_tokenizer
 from diffrlhf.rewards.serving import RewardServer
-from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, build_tiny_components
+from diffrlhf.tinyworld.architecture import SD15_SCHEDULER_CONFIG, SD15_TEXT, SD15_UNET, SD15_VAE, build_tiny_components
 
-SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
-                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768, attention_head_dim=8)
-SD15_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512, scaling_factor=0.18215)
-SD15_TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-                 max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
 MODEL_SIZES = {  # what --size measures: SD1.5's shapes on the GPU, or the tiny random model on the CPU
     "full": dict(resolution=512, steps=50, sample_batches=[1, 2, 4, 8, 16], update_batches=[1, 2, 4, 8],
                  dtypes=["float16", "bfloat16"], device="cuda"),
