@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import time
 
 import torch
@@ -53,7 +54,9 @@ class _Role:
         ctx = ray.get_runtime_context()
         return {"role": self.name, "pid": os.getpid(), "node_id": ctx.get_node_id(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []),
                 "busy_s": self._busy_s,
-                "active_span_s": span, "calls": self._calls, "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0}
+                "active_span_s": span, "calls": self._calls, "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0,
+                # this actor's peak resident memory so far (Linux reports KiB): memory per role, for sizing nodes
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
     def ping(self) -> str:
         return self.name
