@@ -177,18 +177,14 @@ def part_reference(args, budget) -> dict:
     (what model.name reads), JPEG compressibility."""
     from diffrlhf.actors.reference_loop import run_reference
     from diffrlhf.deploy.config import load_config
+    from diffrlhf.tinyworld.architecture import save_components_folder
 
     r = args.reference
     folder = Path(tempfile.mkdtemp()) / "model"
     dtype = args.dtypes[0]
     comps = gpu.build_components(args.size, args.device, getattr(torch, dtype))
     t0 = time.perf_counter()
-    for name in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
-        getattr(comps, name).save_pretrained(folder / name)
-    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.30.0", '
-                                             '"unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"], '
-                                             '"text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"], '
-                                             '"scheduler": ["diffusers", "DDIMScheduler"]}')
+    save_components_folder(folder, comps.unet, comps.vae, comps.text_encoder, comps.scheduler)  # the project's own writer
     save_s = time.perf_counter() - t0
     del comps
     gpu._free(args.device)
