@@ -32,7 +32,7 @@ from diffrlhf.actors.reaper import watch
 from diffrlhf.actors.scheduler import (AddTask, EpochScheduler, PingTask, RunFailed, local_resources, SampleTask, ScoreTask, UpdateTask,
                                        resource_problems, role_requests)
 from diffrlhf.actors.settings import plan_for, reward_runtime_env
-from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardWorker, SamplerWorker
+from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardRoleConfig, RewardWorker, SamplerWorker
 from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
 from diffrlhf.learner.lora import flatten_lora_state
 from diffrlhf.policy.prompts import BatchPlan, load_prompts
@@ -151,7 +151,8 @@ class Driver:
         env = reward_runtime_env(cfg)
         if env:
             ropts["runtime_env"] = env
-        self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(cfg, i) for i in range(s.num_reward_actors)]
+        # the reward actors get their slice of the config: they may run in a package reward's venv
+        self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(RewardRoleConfig.of(cfg), i) for i in range(s.num_reward_actors)]
         # Fail early and clearly if a role cannot even start (bad weights, missing packages); say what is pending.
         names = [("learner" if len(self.learners) == 1 else f"learner-{r}", "learner", a) for r, a in enumerate(self.learners)]
         names += [("buffer", "buffer", self.buffer)]

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from diffrlhf.actors.reward_worker import reward_server  # noqa: F401  (settings is where the roles' builders are found)
 from diffrlhf.buffer.advantages import AdvantageComputer
 from diffrlhf.buffer.credit import RecastCredit
 from diffrlhf.buffer.epoch import branch_extremes
@@ -17,10 +18,10 @@ from diffrlhf.policy.models import SDComponents, load_components, resolve_device
 from diffrlhf.policy.prompts import BatchPlan, plan_batch
 from diffrlhf.policy.sampler import SamplingSettings
 from diffrlhf.rewards import default_runtime_env, spec_name, weighted_sum_weights
-from diffrlhf.rewards.serving import RewardServer
+from diffrlhf.rewards.environments import RewardEnvError
 
-# The interpreter of a prebuilt venv for a package-backed reward (e.g. /opt/venvs/hpsv2/bin/python;
-# how to build it: rewards/envs/*-requirements.txt), read by reward.runtime_env=auto.
+# The interpreter of a prebuilt venv for a package-backed reward (e.g. /opt/venvs/hpsv2/bin/python on
+# a cluster image), read by reward.runtime_env=auto before the venvs `diffrlhf reward-env build` makes.
 REWARD_PYTHON_ENV = "DIFFRLHF_REWARD_PYTHON"
 
 
@@ -60,22 +61,19 @@ def build_policy(cfg, device: str | None = None) -> tuple[SDComponents, PolicyLe
     return comps, learner
 
 
-def reward_server(cfg) -> RewardServer:
-    return RewardServer(cfg.reward.spec, nan_policy=cfg.reward.nan_policy, batch_size=cfg.reward.batch_size)
-
-
 def reward_runtime_env(cfg) -> dict | None:
     """The Ray runtime_env of the reward actors: reward.runtime_env as given, or for "auto" the one
     the reward needs (rewards.default_runtime_env: None for the rewards that run in the core
-    environment; for the `*_pkg` ones the venv named by $DIFFRLHF_REWARD_PYTHON)."""
+    environment; for the `*_pkg` ones the venv `diffrlhf reward-env build` made, or the interpreter
+    named by $DIFFRLHF_REWARD_PYTHON). Raises one line naming the fix when that venv is not usable."""
     env = cfg.reward.runtime_env
     if env != "auto":
         return env or None
     try:
         return default_runtime_env(cfg.reward.spec, python=os.environ.get(REWARD_PYTHON_ENV) or None)
-    except ValueError as e:
-        raise ValueError(f"reward.runtime_env=auto for reward {spec_name(cfg.reward.spec)!r}: {e}. Set {REWARD_PYTHON_ENV} "
-                         "to that venv's python on every node, or give reward.runtime_env as a mapping") from None
+    except (ValueError, RewardEnvError) as e:
+        raise ValueError(f"reward.runtime_env=auto for reward {spec_name(cfg.reward.spec)!r}: {e} (or set {REWARD_PYTHON_ENV} "
+                         "to a prebuilt venv's python on every node)") from None
 
 
 def advantage_computer(cfg) -> AdvantageComputer:

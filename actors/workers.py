@@ -6,14 +6,14 @@ They run unchanged in-process, which is how tests exercise them without Ray.
 """
 from __future__ import annotations
 
-import functools
 import os
-import resource
 import time
 
 import torch
 
-from diffrlhf.actors.settings import (advantage_computer, build_policy, load_model, recast_credit, replay_buffer, reward_server,
+from diffrlhf.actors.reward_worker import RewardRoleConfig, RewardWorker  # noqa: F401  (the roles' one import place)
+from diffrlhf.actors.role import Role, timed
+from diffrlhf.actors.settings import (advantage_computer, build_policy, load_model, recast_credit, replay_buffer,
                                       sampling_settings, train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, finalize_epoch
 from diffrlhf.buffer.sharding import shard_batch
@@ -23,46 +23,7 @@ from diffrlhf.learner.lora import FlatLoRA, add_lora, flat_lora_state, load_flat
 from diffrlhf.policy.branching import branch_trajectories, sample_plan
 
 
-def timed(method):
-    """Accumulate the time an actor spends inside its work methods (for idle fractions)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        if self._first_call is None:
-            self._first_call = t0
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy_s += time.perf_counter() - t0
-            self._calls += 1
-
-    return wrapper
-
-
-class _Role:
-    def _init_role(self, cfg, name: str):
-        torch.set_num_threads(cfg.system.torch_threads)
-        self.cfg, self.name = cfg, name
-        self._busy_s, self._calls, self._first_call = 0.0, 0, None
-
-    def stats(self) -> dict:
-        """Busy time and idle fraction since the first work call (model loading is not idling)."""
-        span = time.perf_counter() - self._first_call if self._first_call else 0.0
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"role": self.name, "pid": os.getpid(), "node_id": ctx.get_node_id(), "gpu_ids": ctx.get_accelerator_ids().get("GPU", []),
-                "busy_s": self._busy_s,
-                "active_span_s": span, "calls": self._calls, "idle_fraction": max(0.0, 1 - self._busy_s / span) if span > 0 else 1.0,
-                # this actor's peak resident memory so far (Linux reports KiB): memory per role, for sizing nodes
-                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-    def ping(self) -> str:
-        return self.name
-
-
-class SamplerWorker(_Role):
+class SamplerWorker(Role):
     """Holds the base pipeline plus the LoRA; samples planned batches with the version it is given."""
 
     def __init__(self, cfg, rank: int = 0):
@@ -105,21 +66,7 @@ class SamplerWorker(_Role):
         return branch_trajectories(self.components, batch, step, num_branches, seeds, self.settings, self.negative_embeds)
 
 
-class RewardWorker(_Role):
-    def __init__(self, cfg, rank: int = 0):
-        self._init_role(cfg, f"reward-{rank}")
-        self.server = reward_server(cfg)
-
-    def stats(self) -> dict:
-        """The role's busy time plus this actor's reward-query counts (distinct sample ids scored)."""
-        return {**super().stats(), **{k: v for k, v in self.server.stats().items() if k in ("num_queries", "num_dropped")}}
-
-    @timed
-    def score(self, reward_input: dict):
-        return self.server.score(reward_input["ids"], reward_input["images"], reward_input["prompts"])
-
-
-class BufferWorker(_Role):
+class BufferWorker(Role):
     """Collects scored batches per epoch; when an epoch is complete computes its advantages (the
     tracker lives here, beside the |A|-prioritised replay that needs them), and serves the
     learner's batches: the current epoch plus replay."""
@@ -170,7 +117,7 @@ class BufferWorker(_Role):
         self.pending = {}
 
 
-class LearnerWorker(_Role):
+class LearnerWorker(Role):
     """One learner, or rank `rank` of a group of `world` (joined by join_group before any update)."""
 
     def __init__(self, cfg, rank: int = 0, world: int = 1):

@@ -177,6 +177,10 @@ def _exit_code(e: BaseException) -> int | None:
         return EXIT_CHECKPOINT
     if isinstance(e, (RunFailed, NonFiniteRewardError)):
         return EXIT_RUN_FAILED
+    from diffrlhf.rewards.environments import RewardEnvError
+
+    if isinstance(e, RewardEnvError):
+        return EXIT_INPUT
     return None
 
 
@@ -219,6 +223,17 @@ def cmd_fetch_weights(args) -> int:
     from diffrlhf.rewards.fetch import main as fetch_main
 
     return fetch_main([args.name] + (["--dest", args.dest] if args.dest else []) + ["--version", args.version])
+
+
+def cmd_reward_env(args) -> int:
+    from diffrlhf.rewards import environments
+
+    if args.action == "build":
+        environments.build(args.name, torch_version=args.torch)
+        print(environments.env_dir(args.name))
+        return 0
+    print(environments.check(args.name))  # `check`: the venv's python, or the one-line reason it is not usable
+    return 0
 
 
 def cmd_presets(args) -> int:
@@ -280,6 +295,11 @@ def main(argv=None) -> int:
     p.add_argument("--dest", default=None)
     p.add_argument("--version", default="v2.1", help="hpsv2 only: v2.0 or v2.1")
     p.set_defaults(fn=cmd_fetch_weights)
+    p = command("reward-env", "build (or check) the own environment of a package reward: imagereward, hpsv2")
+    p.add_argument("action", choices=["build", "check"])
+    p.add_argument("name", choices=["imagereward", "hpsv2"])
+    p.add_argument("--torch", help="torch release for the venv (default: this environment's, e.g. 2.13.0+cpu)")
+    p.set_defaults(fn=cmd_reward_env)
     p = command("presets", "list config presets")
     p.set_defaults(fn=cmd_presets)
     p = command("base-model", "write the embedded model as a standard diffusers folder and print its path")

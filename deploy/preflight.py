@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 
 from diffrlhf.actors.scheduler import local_resources, resource_problems, role_requests
+from diffrlhf.actors.settings import reward_runtime_env
 from diffrlhf.policy.models import ModelNotFoundError, resolve_model
 from diffrlhf.policy.prompts import load_prompts
-from diffrlhf.rewards import MissingWeightsError, RewardContractError, RewardSpecError, check_spec, custom_names, trial_call, uses_prompts
+from diffrlhf.rewards import (MissingWeightsError, RewardContractError, RewardSpecError, check_spec, custom_names, package_reward_names,
+                              trial_call, uses_prompts)
 from diffrlhf.rewards import check_prompts as check_reward_reads_prompts
+from diffrlhf.rewards.imagereward import find_weights as find_imagereward_weights
 from diffrlhf.rewards.clip_tokenizer import CONTEXT_LENGTH, tokenize
 
 
@@ -43,7 +46,7 @@ class ResourceInputError(InputError):
 
 def check_run_inputs(cfg) -> list[str]:
     """Raise an InputError for the first input that cannot work; return the warnings (say them once)."""
-    warnings = check_reward(cfg)
+    warnings = check_reward(cfg) + check_reward_env(cfg)
     prompt_lists = check_prompts(cfg)
     try:
         resolve_model(cfg.model.name)
@@ -76,6 +79,27 @@ def check_reward(cfg) -> list[str]:
     where = "its reward.runtime_env" if cfg.reward.runtime_env not in (None, "auto") else "the cluster's reward nodes"
     return [f"reward.spec={spec}: not usable from this process ({missing_here}); the reward actors run in {where}, "
             "which must have it"]
+
+
+def check_reward_env(cfg) -> list[str]:
+    """reward.runtime_env=auto for a package reward: its venv is built and made for this Python and
+    Ray (else one line naming `diffrlhf reward-env build NAME`); a warning when it will score with
+    random weights because no weight file is on this machine."""
+    if cfg.reward.runtime_env != "auto":
+        return []
+    try:
+        reward_runtime_env(cfg)
+    except ValueError as e:
+        raise RewardInputError(str(e)) from None
+    warnings = []
+    for name in package_reward_names(cfg.reward.spec):
+        if name == "imagereward_pkg":
+            try:
+                find_imagereward_weights()
+            except MissingWeightsError:
+                warnings.append("reward imagereward_pkg: no ImageReward.pt on this machine (`diffrlhf fetch-weights imagereward`): "
+                                "the reward actors score with the package's model on random weights")
+    return warnings
 
 
 def check_custom_reward_output(cfg, prompts: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 
 from ._weights import MissingWeightsError, hf_cached_file
+from .environments import BY_REWARD, check, requirement_lines
 
 RewardFn = Callable[[np.ndarray, "list[str]"], np.ndarray]
 Spec = Union[str, Mapping[str, Any]]
@@ -56,7 +57,6 @@ REWARD_NAMES = tuple(_BUILTINS) + ("weighted_sum",)
 
 # What the package-backed rewards need in their own environment. Kept in sync with
 # rewards/envs/*-requirements.txt (the test suite checks that).
-_PKG_ENVS = {"imagereward_pkg": "imagereward-requirements.txt", "hpsv2_pkg": "hpsv2-requirements.txt"}
 
 
 def spec_name(spec: Spec) -> str:
@@ -359,6 +359,17 @@ def uses_prompts(spec: Spec) -> bool:
     return name not in PROMPT_INDEPENDENT
 
 
+def package_reward_names(spec: Spec) -> list[str]:
+    """The package-backed rewards (served from their own venv) a spec uses, weighted_sum terms included."""
+    if callable(spec) and not isinstance(spec, (str, Mapping)):
+        return []
+    name, kw = _split(spec)
+    if name == "weighted_sum":
+        return [n for t in kw.get("terms") or [] for n in package_reward_names({k: v for k, v in t.items() if k != "weight"}
+                                                                               if isinstance(t, Mapping) else t)]
+    return [name] if name in BY_REWARD else []
+
+
 def custom_names(spec: Spec) -> list[str]:
     """The custom ('package.module:callable') rewards a spec uses, weighted_sum terms included."""
     if callable(spec) and not isinstance(spec, (str, Mapping)):
@@ -414,21 +425,19 @@ def _check_pretrained(reward: str, name_or_path: str, what: str, kwarg: str) -> 
 
 
 def requirements(name: str) -> list[str]:
-    """Pinned requirement lines for a package-backed reward's own environment."""
-    path = Path(__file__).with_name("envs") / _PKG_ENVS[name]
-    lines = [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()]
-    return [ln for ln in lines if ln and not ln.startswith("-")]
+    """Pinned requirement lines of a package-backed reward's own environment (rewards/envs/)."""
+    return requirement_lines(BY_REWARD[name])
 
 
 def default_runtime_env(spec: Spec, python: str | None = None) -> dict | None:
-    """Suggested Ray runtime_env for the actor that serves this reward; None when the reward runs
-    in the core environment (jpeg_*, aesthetic, and the native imagereward / hpsv2).
+    """Ray runtime_env of the actor that serves this reward; None when the reward runs in the core
+    environment (jpeg_*, aesthetic, the native imagereward / hpsv2, ...).
 
-    Package-backed rewards get {"py_executable": python} when a prebuilt venv's interpreter is
-    given (recommended: same Python and Ray version as the cluster, diffrlhf installed with
-    --no-deps); without one, imagereward_pkg gets {"pip": <rewards/envs/imagereward-requirements.txt>}
-    for Ray to build per node, and hpsv2_pkg raises (it needs a --no-deps install step).
-    HF_HUB_OFFLINE=1 keeps the packages' hub calls to the local cache (runs never download)."""
+    A package-backed reward (imagereward_pkg, hpsv2_pkg) runs in its own venv's interpreter
+    ({"py_executable": ...}): `python` when given, else the venv `diffrlhf reward-env build` made
+    (rewards.environments.check: RewardEnvError naming that command when it is missing, half-built
+    or made for another Python or Ray). HF_HUB_OFFLINE=1 keeps the packages' hub calls to the local
+    cache (runs never download)."""
     name, kw = _split(spec)
     if name == "weighted_sum":
         envs = [default_runtime_env(t if isinstance(t, str) else {k: v for k, v in t.items() if k != "weight"}, python)
@@ -439,19 +448,10 @@ def default_runtime_env(spec: Spec, python: str | None = None) -> dict | None:
         if any(e != envs[0] for e in envs[1:]):
             raise ValueError("weighted_sum mixes rewards that need different environments; serve them as separate actors")
         return envs[0]
-    if name not in _PKG_ENVS:
+    if name not in BY_REWARD:
         return None
-    env: dict = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if python:
-        env["py_executable"] = python
-    elif name == "hpsv2_pkg":
-        # hpsv2x must be installed with --no-deps (its protobuf<4 pin breaks Ray), which a Ray
-        # "pip" runtime_env cannot express: a prebuilt venv is the only supported route.
-        raise ValueError("hpsv2_pkg needs a prebuilt environment: build it as described in "
-                         "rewards/envs/hpsv2-requirements.txt and pass python='/path/to/venv/bin/python'")
-    else:
-        env["pip"] = {"packages": requirements(name), "pip_check": False}
-    return env
+    return {"py_executable": str(python or check(BY_REWARD[name].name)),
+            "env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
 
 
 from .serving import NonFiniteRewardError  # noqa: E402  (serving imports build_reward from here)

@@ -193,29 +193,59 @@ class ImageRewardScorer:
 
 
 class PackageImageReward:
-    """The `image-reward` package's own model, batched the way its `score` computes one item.
-    Only importable in an environment built from rewards/envs/imagereward-requirements.txt."""
+    """The `image-reward` package's own model, batched the way its `score` computes one item. Runs
+    in the venv `diffrlhf reward-env build imagereward` makes (rewards/environments.py), which holds
+    the offline files the package fetches from the hub (med_config.json, the BERT vocabulary).
+
+    Weights: `weights` or ImageReward.pt from the cache when present; otherwise the package's own
+    model with random weights (seeded by `seed`; the MLP head re-initialised, since the package's
+    init scores every image the same), said once in the actor's log."""
 
     name = "imagereward_pkg"
 
-    def __init__(self, weights=None, device="cpu", download_root=None):
+    def __init__(self, weights=None, device="cpu", download_root=None, seed: int = 0):
         try:
             import ImageReward as RM  # noqa: N813
+            from ImageReward.ImageReward import ImageReward as RewardModel
         except ImportError as e:
             raise ImportError(
                 "reward 'imagereward_pkg' needs the image-reward package, which does not install beside the core "
-                "stack. Run this reward in its own environment: runtime_env=default_runtime_env('imagereward_pkg') "
-                "or a venv from rewards/envs/imagereward-requirements.txt; or use the native 'imagereward'."
+                "stack. Run this reward in its own environment: `diffrlhf reward-env build imagereward`, then "
+                "reward.runtime_env=auto; or use the native 'imagereward'."
             ) from e
+        from .environments import share_dir
 
         self._Image = Image
         root = download_root or os.path.expanduser("~/.cache/ImageReward")
-        # A checkpoint path makes RM.load skip the model download; med_config.json and the BERT
-        # tokenizer are still resolved through the hub library, so HF_HUB_OFFLINE=1 (set in
-        # default_runtime_env) keeps that to the local cache.
-        path = find_weight_file("imagereward", WEIGHTS_FILE, explicit=weights, local_dirs=[root], hf_repos=[HF_REPO])
-        self.model = RM.load(path, device=device, download_root=root).eval()
+        share = share_dir()
+        med_config = str(share / "med_config.json") if (share / "med_config.json").is_file() else None
+        try:
+            path = find_weight_file("imagereward", WEIGHTS_FILE, explicit=weights, local_dirs=[root], hf_repos=[HF_REPO])
+        except MissingWeightsError:
+            if weights is not None:
+                raise
+            path = None
+        # BLIP's init_tokenizer asks for 'bert-base-uncased' by name: from `share` it finds the
+        # vocabulary the builder put there; HF_HUB_OFFLINE=1 (default_runtime_env) keeps the rest local.
+        cwd = os.getcwd()
+        os.chdir(share if share.is_dir() else cwd)
+        try:
+            if path is not None:
+                self.model = RM.load(path, device=device, download_root=root, med_config=med_config).eval()
+            else:
+                with torch.random.fork_rng():
+                    torch.manual_seed(seed)
+                    model = RewardModel(med_config=med_config, device=device)
+                    for layer in model.mlp.layers:
+                        if isinstance(layer, nn.Linear):
+                            layer.reset_parameters()
+                self.model = model.to(device).eval()
+                print(f"[reward imagereward_pkg] no {WEIGHTS_FILE} on this node (fetch it with `diffrlhf fetch-weights imagereward`): "
+                      f"scoring with the package's model on random weights (seed {seed})", flush=True)
+        finally:
+            os.chdir(cwd)
         self.device = device
+        self.random_weights = path is None
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:

@@ -140,17 +140,17 @@ def test_reward_runtime_env_given_or_none():
         load_config(None, overrides=["reward.runtime_env=5"])
 
 
-def test_reward_runtime_env_auto(monkeypatch):
+def test_reward_runtime_env_auto(monkeypatch, tmp_path):
     monkeypatch.delenv(REWARD_PYTHON_ENV, raising=False)
+    monkeypatch.setenv("DIFFRLHF_REWARD_ENVS", str(tmp_path / "none"))
     auto = ["reward.runtime_env=auto"]
     # rewards that run in the core environment need none
     assert reward_runtime_env(load_config(None, overrides=auto)) is None
     assert reward_runtime_env(load_config(None, overrides=[*auto, "reward.spec={name: hpsv2}"])) is None
-    # hpsv2_pkg needs a prebuilt venv: without one, an error naming the key and the variable
-    with pytest.raises(ValueError, match=f"reward.runtime_env=auto for reward 'hpsv2_pkg'.*{REWARD_PYTHON_ENV}"):
-        reward_runtime_env(load_config(None, overrides=[*auto, "reward.spec=hpsv2_pkg"]))
-    # imagereward_pkg without one: the pip environment Ray builds per node
-    assert "pip" in reward_runtime_env(load_config(None, overrides=[*auto, "reward.spec=imagereward_pkg"]))
+    # a package reward without its built venv: an error naming the key, the build command and the variable
+    for spec, env_name in (("hpsv2_pkg", "hpsv2"), ("imagereward_pkg", "imagereward")):
+        with pytest.raises(ValueError, match=f"reward.runtime_env=auto for reward '{spec}'.*diffrlhf reward-env build {env_name}.*{REWARD_PYTHON_ENV}"):
+            reward_runtime_env(load_config(None, overrides=[*auto, f"reward.spec={spec}"]))
     monkeypatch.setenv(REWARD_PYTHON_ENV, "/opt/venvs/hpsv2/bin/python")
     for spec in ("hpsv2_pkg", "imagereward_pkg"):
         env = reward_runtime_env(load_config(None, overrides=[*auto, f"reward.spec={spec}"]))

@@ -338,15 +338,16 @@ def test_weighted_sum_equals_hand_sum(custom_module):
 # ---------------------------------------------------------------- runtime envs
 
 
-def test_default_runtime_env():
+def test_default_runtime_env(monkeypatch, tmp_path):
+    from diffrlhf.rewards.environments import RewardEnvError
+
+    monkeypatch.setenv("DIFFRLHF_REWARD_ENVS", str(tmp_path))
     for native in ("jpeg_compressibility", "aesthetic", "imagereward", "hpsv2", {"name": "aesthetic", "weights": "x"}):
         assert default_runtime_env(native) is None
-    env = default_runtime_env("imagereward_pkg")
-    assert env["pip"]["packages"] == requirements("imagereward_pkg")
-    assert "image-reward==1.5" in env["pip"]["packages"] and "transformers==4.55.4" in env["pip"]["packages"]
-    assert env["env_vars"]["HF_HUB_OFFLINE"] == "1"
-    assert default_runtime_env("hpsv2_pkg", python="/v/bin/python")["py_executable"] == "/v/bin/python"
-    with pytest.raises(ValueError, match="prebuilt"):
+    assert "image-reward==1.5" in requirements("imagereward_pkg") and "transformers==4.55.4" in requirements("imagereward_pkg")
+    env = default_runtime_env("hpsv2_pkg", python="/v/bin/python")
+    assert env["py_executable"] == "/v/bin/python" and env["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    with pytest.raises(RewardEnvError, match="diffrlhf reward-env build hpsv2"):
         default_runtime_env("hpsv2_pkg")
     ws = {"name": "weighted_sum", "terms": [{"name": "jpeg_compressibility", "weight": 1},
                                             {"name": "imagereward_pkg", "weight": 2}]}
