@@ -20,6 +20,7 @@ from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.rewards import (MissingWeightsError, RewardContractError, RewardSpecError, check_spec, custom_names, package_reward_names,
                               trial_call, uses_prompts)
 from diffrlhf.rewards import check_prompts as check_reward_reads_prompts
+from diffrlhf.rewards.hpsv2 import find_weights as find_hpsv2_weights
 from diffrlhf.rewards.imagereward import find_weights as find_imagereward_weights
 from diffrlhf.rewards.clip_tokenizer import CONTEXT_LENGTH, tokenize
 
@@ -92,13 +93,14 @@ def check_reward_env(cfg) -> list[str]:
     except ValueError as e:
         raise RewardInputError(str(e)) from None
     warnings = []
+    finders = {"imagereward_pkg": ("imagereward", find_imagereward_weights), "hpsv2_pkg": ("hpsv2", find_hpsv2_weights)}
     for name in package_reward_names(cfg.reward.spec):
-        if name == "imagereward_pkg":
-            try:
-                find_imagereward_weights()
-            except MissingWeightsError:
-                warnings.append("reward imagereward_pkg: no ImageReward.pt on this machine (`diffrlhf fetch-weights imagereward`): "
-                                "the reward actors score with the package's model on random weights")
+        fetch, find = finders[name]
+        try:
+            find()
+        except MissingWeightsError:
+            warnings.append(f"reward {name}: no weight file on this machine (`diffrlhf fetch-weights {fetch}`): "
+                            "the reward actors score with the package's model on random weights")
     return warnings
 
 

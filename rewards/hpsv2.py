@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ._weights import find_weight_file
+from ._weights import MissingWeightsError, find_weight_file
 from .clip_tokenizer import EOT, SOT, load_clip_tokenizer, tokenize
 from .preprocess import resize_longest_pad_preprocess
 
@@ -140,35 +140,50 @@ class HPSv2Scorer:
 
 
 class PackageHPSv2:
-    """The `hpsv2` package's model and transforms (its open_clip fork), batched. Only importable
-    in an environment built from rewards/envs/hpsv2-requirements.txt."""
+    """The `hpsv2` package's model and transforms (its open_clip fork), batched. Runs in the venv
+    `diffrlhf reward-env build hpsv2` makes (rewards/environments.py).
+
+    Weights: `weights` or the HPS checkpoint of `version` from the cache when present; otherwise
+    the package's ViT-H-14 on random weights (seeded by `seed`), said once in the actor's log."""
 
     name = "hpsv2_pkg"
 
-    def __init__(self, weights=None, version: str = "v2.1", device="cpu"):
+    def __init__(self, weights=None, version: str = "v2.1", device="cpu", seed: int = 0):
         try:
             from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
         except ImportError as e:
             raise ImportError(
                 "reward 'hpsv2_pkg' needs the hpsv2 package, which does not install beside the core stack "
                 "(protobuf<4 breaks Ray; open_clip needs torchvision). Run it in its own environment: "
-                "runtime_env=default_runtime_env('hpsv2_pkg'), or use the native 'hpsv2'."
+                "`diffrlhf reward-env build hpsv2`, then reward.runtime_env=auto; or use the native 'hpsv2'."
             ) from e
 
         self._Image = Image
         root = os.environ.get("HPS_ROOT") or os.path.expanduser("~/.cache/hpsv2")
-        path = find_weight_file("hpsv2", VERSION_FILES[version], explicit=weights, local_dirs=[root], hf_repos=[HF_REPO])
+        try:
+            path = find_weight_file("hpsv2", VERSION_FILES[version], explicit=weights, local_dirs=[root], hf_repos=[HF_REPO])
+        except MissingWeightsError:
+            if weights is not None:
+                raise
+            path = None
         # pretrained=None: the HPS checkpoint overwrites every weight, so the laion2B base
         # download that hpsv2.score performs is skipped.
-        model, _, preprocess_val = create_model_and_transforms(
-            "ViT-H-14", None, precision="fp32", device=device, jit=False, force_quick_gelu=False,
-            force_custom_text=False, force_patch_dropout=False, force_image_size=None, pretrained_image=False,
-            image_mean=None, image_std=None, light_augmentation=True, aug_cfg={}, output_dict=True,
-            with_score_predictor=False, with_region_predictor=False)
-        ckpt = torch.load(path, map_location=device)
-        model.load_state_dict(ckpt["state_dict"])
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model, _, preprocess_val = create_model_and_transforms(
+                "ViT-H-14", None, precision="fp32", device=device, jit=False, force_quick_gelu=False,
+                force_custom_text=False, force_patch_dropout=False, force_image_size=None, pretrained_image=False,
+                image_mean=None, image_std=None, light_augmentation=True, aug_cfg={}, output_dict=True,
+                with_score_predictor=False, with_region_predictor=False)
+        if path is not None:
+            ckpt = torch.load(path, map_location=device)
+            model.load_state_dict(ckpt["state_dict"])
+        else:
+            print(f"[reward hpsv2_pkg] no {VERSION_FILES[version]} on this node (fetch it with `diffrlhf fetch-weights hpsv2`): "
+                  f"scoring with the package's ViT-H-14 on random weights (seed {seed})", flush=True)
         self.model, self.preprocess, self.tokenizer = model.eval(), preprocess_val, get_tokenizer("ViT-H-14")
         self.device = device
+        self.random_weights = path is None
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:

@@ -1,7 +1,12 @@
-"""Reward throughput, images/s at a fixed batch size, for every reward.
+"""Reward throughput, images/s at a fixed batch size, for every reward, and FLOPs per image.
 
     python -m research.bench.rewards_throughput OUT.json [--batch 8] [--sizes 64 512] [--repeats 3]
                                                        [--rewards jpeg_compressibility aesthetic ...]
+                                                       [--rewards ... imagereward_pkg hpsv2_pkg]
+
+The package rewards (`*_pkg`) run in their own venv (`diffrlhf reward-env build NAME`): this
+script runs itself there for them, one subprocess per reward, and merges the rows. They build the
+package's own model on seeded random weights.
 
 Learned models use random weights of the real sizes (no downloads): CLIP ViT-L/14 vision tower
 for aesthetic, BLIP ViT-L/16 + BERT-base for ImageReward, open_clip ViT-H-14 (as a transformers
@@ -44,6 +49,9 @@ def _bert_tokenizer():
 
 def build(name: str):
     """Return (reward_fn, params, note)."""
+    if name.endswith("_pkg"):
+        fn = build_reward({"name": name, "seed": 0})
+        return fn, sum(p.numel() for p in fn.model.parameters()), f"the {name[:-4]} package's own model, random weights"
     if name.startswith("jpeg"):
         return build_reward(name), 0, ""
     if name == "aesthetic":
@@ -64,6 +72,35 @@ def build(name: str):
         model = build_clip()
         return build_reward(HPSv2Scorer(model)), sum(p.numel() for p in model.parameters()), "ViT-H-14 CLIPModel"
     raise ValueError(name)
+
+
+def flops_per_image(fn, size: int) -> int | None:
+    """FLOPs of scoring one image (torch's FlopCounterMode: matmuls and convolutions), None for JPEG."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ims = np.random.RandomState(0).randint(0, 256, size=(1, size, size, 3), dtype=np.uint8)
+    with FlopCounterMode(display=False) as counter:
+        fn(ims, ["a photo of an astronaut riding a horse on mars, highly detailed"])
+    return int(counter.get_total_flops()) or None
+
+
+def in_venv(name: str, a) -> list[dict]:
+    """Rows for a package reward, measured by this script running in the reward's own venv."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from diffrlhf.rewards.environments import BY_REWARD, check
+
+    python = check(BY_REWARD[name].name)
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        cmd = [str(python), "-m", "research.bench.rewards_throughput", out, "--rewards", name, "--batch", str(a.batch),
+               "--sizes", *map(str, a.sizes), "--repeats", str(a.repeats), "--warmup", str(a.warmup)]
+        subprocess.run(cmd, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}, check=True)
+        with open(out) as f:
+            return json.load(f)["results"]
 
 
 def bench_one(fn, batch: int, size: int, repeats: int, warmup: int = 1, threads: int = 1) -> dict:
@@ -102,13 +139,20 @@ def main(argv=None) -> int:
                        "platform": platform.platform(), "loadavg_start": os.getloadavg()},
            "results": []}
     for name in a.rewards:
+        if name.endswith("_pkg"):
+            try:
+                __import__({"imagereward_pkg": "ImageReward", "hpsv2_pkg": "hpsv2"}[name])
+            except ImportError:  # not in its venv: run there
+                res["results"] += in_venv(name, a)
+                continue
         t0 = time.perf_counter()
         fn, nparams, note = build(name)
         build_s = time.perf_counter() - t0
+        flops = None if name.startswith("jpeg") else flops_per_image(fn, max(a.sizes))
         for size in a.sizes:
             reps = a.repeats if name.startswith("jpeg") else max(1, a.repeats - 1 if size > 256 else a.repeats)
             warm = 1 if name.startswith("jpeg") else a.warmup
-            r = {"reward": name, "params": nparams, "note": note, "build_s": build_s,
+            r = {"reward": name, "params": nparams, "note": note, "build_s": build_s, "flops_per_image": flops,
                  # JPEG encoding is single-threaded; torch models use all intra-op threads
                  **bench_one(fn, a.batch, size, reps, warm,
                              threads=1 if name.startswith("jpeg") else min(torch.get_num_threads(), os.cpu_count() or 1)),
