@@ -5,7 +5,8 @@ from collections import deque
 
 import numpy as np
 
-MODES = ("per_prompt", "batch", "group")
+from diffrlhf.keys import check, choices, default
+MODES = choices("advantage.mode")
 
 
 class PerPromptStatTracker:
@@ -15,7 +16,7 @@ class PerPromptStatTracker:
     own mean/std is used instead (DDPO's fallback). std gets +1e-6 as in DDPO.
     """
 
-    def __init__(self, buffer_size: int = 16, min_count: int = 16):
+    def __init__(self, buffer_size: int = default("advantage.buffer_size"), min_count: int = default("advantage.min_count")):
         self.buffer_size, self.min_count = buffer_size, min_count
         self.stats: dict[str, deque] = {}
 
@@ -64,9 +65,9 @@ def group_advantages(prompts: list[str], rewards: np.ndarray) -> np.ndarray:
 class AdvantageComputer:
     """One object for the three modes, with clipping to +/- clip_max and checkpointable state."""
 
-    def __init__(self, mode: str = "per_prompt", clip_max: float = 5.0, buffer_size: int = 16, min_count: int = 16):
-        if mode not in MODES:
-            raise ValueError(f"advantage.mode {mode!r} is not one of {MODES}")
+    def __init__(self, mode: str = default("advantage.mode"), clip_max: float = default("advantage.clip_max"),
+                 buffer_size: int = default("advantage.buffer_size"), min_count: int = default("advantage.min_count")):
+        check("advantage.mode", mode), check("advantage.clip_max", clip_max)
         self.mode, self.clip_max = mode, clip_max
         self.tracker = PerPromptStatTracker(buffer_size, min_count)
 

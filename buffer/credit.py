@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-RECAST_MODES = ("off", "pre", "loss")
+from diffrlhf.keys import choices
+RECAST_MODES = choices("recast.mode")
 
 
 def check_weights(weights, num_rewards: int, num_steps: int) -> np.ndarray:

@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.keys import check, choices, default
 
-MODES = ("none", "hardmine", "random")
+MODES = choices("replay.mode")
 
 
 class ReplayBuffer:
-    def __init__(self, max_epochs: int = 2, mode: str = "none", k: int = 8, seed: int = 0):
-        if mode not in MODES:
-            raise ValueError(f"replay.mode {mode!r} is not one of {MODES}")
-        if max_epochs < 0 or k < 0:
-            raise ValueError(f"replay.max_epochs ({max_epochs}) and replay.k ({k}) must be >= 0")
+    def __init__(self, max_epochs: int = default("replay.max_epochs"), mode: str = default("replay.mode"), k: int = default("replay.k"),
+                 seed: int = 0):
+        check("replay.mode", mode), check("replay.max_epochs", max_epochs), check("replay.k", k)
         self.max_epochs, self.mode, self.k = max_epochs, mode, k
         self.epochs: dict[int, TrajectoryBatch] = {}
         self.rng = torch.Generator().manual_seed(seed)

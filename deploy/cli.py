@@ -225,6 +225,16 @@ def cmd_fetch_weights(args) -> int:
     return fetch_main([args.name] + (["--dest", args.dest] if args.dest else []) + ["--version", args.version])
 
 
+def cmd_config(args) -> int:
+    from diffrlhf.deploy.config import keys_table, resolve_config, show_config
+
+    if args.action == "keys":
+        print(keys_table(), end="")
+        return 0
+    print(show_config(*resolve_config(args.preset, args.config, args.overrides)), end="")
+    return 0
+
+
 def cmd_reward_env(args) -> int:
     from diffrlhf.rewards import environments
 
@@ -295,6 +305,13 @@ def main(argv=None) -> int:
     p.add_argument("--dest", default=None)
     p.add_argument("--version", default="v2.1", help="hpsv2 only: v2.0 or v2.1")
     p.set_defaults(fn=cmd_fetch_weights)
+    p = command("config", "`config keys`: every config key (type, default, range, meaning); "
+                          "`config show`: the resolved config, each value with its source")
+    p.add_argument("action", choices=["keys", "show"])
+    p.add_argument("--preset", default="tiny", help="preset name (deploy/presets/*.yaml); default: tiny")
+    p.add_argument("--config", help="a YAML file with config sections, applied over the preset")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.001")
+    p.set_defaults(fn=cmd_config)
     p = command("reward-env", "build (or check) the own environment of a package reward: imagereward, hpsv2")
     p.add_argument("action", choices=["build", "check"])
     p.add_argument("name", choices=["imagereward", "hpsv2"])

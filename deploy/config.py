@@ -3,31 +3,21 @@
     cfg = load_config("tiny", overrides=["train.lr=0.01", "replay.mode=hardmine"])
 
 A wrong key or value raises ConfigError naming the key, the value and what is allowed, before
-anything starts. Allowed values and defaults have one home each, the module that implements them
-(weighting schemes, replay and advantage modes, log-prob modes, NaN policies, dtypes/devices, the
-learner's and sampler's settings, LoRA targets); this layer only reads them.
+anything starts. Each key's type, default, allowed values or range and meaning are declared once,
+in diffrlhf.keys (the lowest layer, which the implementing modules read too); this module builds the
+sections from it and adds the checks that relate several keys.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from diffrlhf.buffer import advantages, replay
-from diffrlhf.buffer.credit import RECAST_MODES
-from diffrlhf.learner import recast
-from diffrlhf.learner.lora import DEFAULT_RANK, DEFAULT_TARGETS
-from diffrlhf.learner.timesteps import SELECTIONS
-from diffrlhf.learner.update import ALGORITHMS, LOGPROB_MODES, UpdateSettings
-from diffrlhf.learner.weighting import SCHEMES
-from diffrlhf.policy.models import DEVICES, DTYPES
-from diffrlhf.policy.sampler import SamplingSettings
+from diffrlhf.keys import KEYS, SECTIONS, section_keys
 from diffrlhf.rewards import weighted_sum_weights
-from diffrlhf.rewards.serving import NAN_POLICIES
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -36,162 +26,28 @@ class ConfigError(ValueError):
     pass
 
 
-_SAMPLING, _UPDATE = SamplingSettings(), UpdateSettings()  # the defaults of sample.*, train.* and friends
+def _section_class(section: str):
+    """The dataclass of one config section, its fields declared in diffrlhf.keys (type, default)."""
+    fields = []
+    for k in section_keys(section):
+        default = field(default_factory=lambda k=k: list(k.default)) if isinstance(k.default, list) else field(default=k.default)
+        fields.append((k.leaf, k.type, default))
+    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields)
+    cls.__module__ = __name__
+    cls.__doc__ = f"The config's {section}.* keys (declared in diffrlhf.keys)."
+    return cls
 
 
-def _default(cls, name: str):
-    """The default of a constructor argument: the class that implements a setting owns its default."""
-    return inspect.signature(cls).parameters[name].default
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny-world"  # tiny-world | tiny-random[:seed] | local diffusers folder | hub id (local cache only)
-    dtype: str = "float32"  # float32 | float16 | bfloat16 (base model; LoRA weights stay fp32)
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    lora_rank: int = DEFAULT_RANK
-    lora_alpha: float = 0.0  # 0 means = rank
-    lora_targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
-
-
-@dataclass
-class SampleConfig:
-    num_steps: int = _SAMPLING.num_steps
-    eta: float = _SAMPLING.eta
-    guidance_scale: float = _SAMPLING.guidance_scale
-    resolution: int = _SAMPLING.resolution
-    negative_prompt: str = _SAMPLING.negative_prompt
-    batch_size: int = 8  # trajectories per sampler call
-    batches_per_epoch: int = 4  # epoch size = batch_size * batches_per_epoch
-    samples_per_prompt: int = 1  # k samples of each prompt in a batch (needed >= 2 for advantage.mode=group)
-
-
-@dataclass
-class PromptConfig:
-    train: str = "tiny-world-train"  # builtin list name or a text file (one prompt a line)
-    eval: str = "tiny-world-eval"
-
-
-@dataclass
-class RewardConfig:
-    spec: typing.Any = "jpeg_compressibility"  # name, or {name: ..., **kwargs}; see rewards/README.md
-    nan_policy: str = "raise"  # raise | drop
-    batch_size: int = 8
-    # Ray runtime_env of the reward actors: none (the core environment), a mapping, or "auto": the
-    # environment the reward needs (rewards.default_runtime_env; actors.settings.reward_runtime_env).
-    runtime_env: typing.Any = None
-
-
-@dataclass
-class AdvantageConfig:
-    mode: str = _default(advantages.AdvantageComputer, "mode")  # per_prompt (DDPO tracker) | batch | group (GRPO)
-    buffer_size: int = _default(advantages.AdvantageComputer, "buffer_size")
-    min_count: int = _default(advantages.AdvantageComputer, "min_count")
-    clip_max: float = _default(advantages.AdvantageComputer, "clip_max")
-
-
-@dataclass
-class WeightingConfig:
-    scheme: str = _UPDATE.weighting  # one of learner.weighting.SCHEMES
-    gaussian_width: float = _UPDATE.gaussian_width
-    # oracle: the probe that measures the per-step reward variance (actors/oracle.py); its
-    # trajectories x steps x branches reward queries count in the run's budget
-    oracle_trajectories: int = 4
-    oracle_branches: int = 4
-    oracle_every: int = 0  # re-measure after every this many updates (0: once, before the first)
-
-
-@dataclass
-class RecastConfig:
-    # ReCAST (several rewards, each weighted at the steps where it informs; learner/recast.py,
-    # buffer/credit.py): off | pre (per-step mixed reward) | loss (per-reward losses). Needs a
-    # weighted_sum reward of >= 2 terms; their weights are the budgets lambda_i.
-    mode: str = _UPDATE.recast
-    alpha: float = _default(recast.recast_weights, "alpha")  # the Renyi divergence's order
-    temperature: float = _default(recast.recast_weights, "temperatures")  # tau: Sinkhorn kernel exp(g_hat / tau)
-    sinkhorn_iterations: int = _default(recast.recast_weights, "iterations")
-    sinkhorn_tolerance: float = _default(recast.recast_weights, "tolerance")
-    # the probe (actors/recast_probe.py): P trajectories, M fresh samples of each prompt and M
-    # branches at each step; its P * M * T + P reward queries count in the run's budget
-    trajectories: int = 4
-    branches: int = 4
-    every: int = 0  # re-measure W after every this many updates (0: once, before the first)
-
-
-@dataclass
-class ReplayConfig:
-    mode: str = _default(replay.ReplayBuffer, "mode")  # none | hardmine | random
-    max_epochs: int = _default(replay.ReplayBuffer, "max_epochs")  # past epochs kept for replay (the off-policy bound)
-    k: int = _default(replay.ReplayBuffer, "k")  # replayed trajectories per update
-    logprob_mode: str = _UPDATE.logprob_mode  # recorded (sampling-time log-probs) | recompute (policy at update start)
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = _UPDATE.algorithm  # one of learner.update.ALGORITHMS: ddpo | dpok | b2diffurl
-    kl_coef: float = _UPDATE.kl_coef  # dpok: beta, weight of the per-step KL to the pretrained model
-    reward_scale: float = _UPDATE.reward_scale  # dpok: alpha, scale of the advantage
-    # b2diffurl: a branch group's best row is trained if its advantage is >= this, its worst if < the
-    # negative one (the reference's run_process.sh values)
-    b2_pos_threshold: float = 0.5
-    b2_neg_threshold: float = -0.5
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    lr: float = _UPDATE.lr
-    adam_beta1: float = _UPDATE.adam_beta1
-    adam_beta2: float = _UPDATE.adam_beta2
-    weight_decay: float = _UPDATE.weight_decay
-    adam_eps: float = _UPDATE.adam_eps
-    clip_range: float = _UPDATE.clip_range
-    max_grad_norm: float = _UPDATE.max_grad_norm
-    timestep_fraction: float = _UPDATE.timestep_fraction  # share of the T steps trained per trajectory
-    timestep_selection: str = _UPDATE.timestep_selection  # which steps: all | random | weighted | top | window | backward
-    inner_epochs: int = _UPDATE.inner_epochs
-    batch_size: int = _UPDATE.batch_size
-    grad_accum_steps: int = _UPDATE.grad_accum_steps  # optimizer step every grad_accum_steps batches (x trained timesteps), as DDPO
-
-
-@dataclass
-class SystemConfig:
-    num_samplers: int = 2
-    num_reward_actors: int = 1
-    sampler_gpus: float = 0.0
-    sampler_cpus: float = 1.0
-    reward_gpus: float = 0.0
-    reward_cpus: float = 0.5
-    learner_gpus: float = 0.0  # per learner
-    learner_cpus: float = 1.0  # per learner
-    num_learners: int = 1  # a data-parallel learner group (torch.distributed: NCCL on GPU, gloo on CPU)
-    colocate: bool = False  # sampler i and learner i share one placement bundle (one GPU): num_samplers == num_learners
-    max_policy_lag: int = 1  # 0 = synchronous DDPO schedule
-    max_inflight_per_sampler: int = 1
-    idle_timeout_s: float = 600.0  # nothing finished for this long: the run stops, saying what it waits on
-    start_timeout_s: float = 900.0  # an actor that has not started (model loaded) by then is an error
-    max_actor_restarts: int = 3  # Ray restarts of a dead sampler or reward actor
-    max_batch_retries: int = 2  # re-runs of a batch whose sampler/reward actor died; then it is dropped (counted)
-    use_role_resources: bool = False  # ask custom resources "sampler"/"reward"/"learner" (cluster worker groups)
-    checkpoint_timeout_s: float = 600.0
-    torch_threads: int = 1  # per actor, so actors on one node don't oversubscribe its cores
-
-
-@dataclass
-class RunConfig:
-    seed: int = 0
-    out_dir: str = "runs"
-    name: str = ""  # default: <preset>-<timestamp>
-    save_every: int = 1
-    image_grid_every: int = 5
-    tensorboard: bool = True
+# One class per section, named so pickling (Ray ships the config to actors) finds them here.
+ModelConfig, SampleConfig, PromptsConfig, RewardConfig, AdvantageConfig, WeightingConfig, RecastConfig, ReplayConfig, \
+    TrainConfig, AlgorithmConfig, SystemConfig, RunConfig = (_section_class(s) for s in SECTIONS)
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
-    prompts: PromptConfig = field(default_factory=PromptConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     weighting: WeightingConfig = field(default_factory=WeightingConfig)
@@ -208,74 +64,6 @@ class Config:
 
     def samples_per_epoch(self) -> int:
         return self.sample.batch_size * self.sample.batches_per_epoch
-
-
-_CHOICES = {
-    "model.dtype": DTYPES,
-    "model.device": DEVICES,
-    "reward.nan_policy": NAN_POLICIES,
-    "advantage.mode": advantages.MODES,
-    "weighting.scheme": SCHEMES,
-    "replay.mode": replay.MODES,
-    "replay.logprob_mode": LOGPROB_MODES,
-    "train.timestep_selection": SELECTIONS,
-    "algorithm.name": ALGORITHMS,
-    "recast.mode": RECAST_MODES,
-}
-# key -> (predicate, what is allowed)
-_RANGES = {
-    "sample.num_steps": (lambda v: v >= 1, ">= 1"),
-    "sample.eta": (lambda v: v > 0, "> 0 (eta = 0 is deterministic DDIM: no policy log-prob)"),
-    "sample.guidance_scale": (lambda v: v >= 1, ">= 1"),
-    "sample.resolution": (lambda v: v >= 8 and v % 8 == 0, "a multiple of 8"),
-    "sample.batch_size": (lambda v: v >= 1, ">= 1"),
-    "sample.batches_per_epoch": (lambda v: v >= 1, ">= 1"),
-    "sample.samples_per_prompt": (lambda v: v >= 1, ">= 1"),
-    "model.lora_rank": (lambda v: v >= 1, ">= 1"),
-    "model.lora_alpha": (lambda v: v >= 0, ">= 0"),
-    "reward.batch_size": (lambda v: v >= 1, ">= 1"),
-    "advantage.buffer_size": (lambda v: v >= 1, ">= 1"),
-    "advantage.min_count": (lambda v: v >= 0, ">= 0"),
-    "advantage.clip_max": (lambda v: v > 0, "> 0"),
-    "weighting.gaussian_width": (lambda v: v > 0, "> 0"),
-    "weighting.oracle_trajectories": (lambda v: v >= 2, ">= 2 (the standard error is over trajectories)"),
-    "weighting.oracle_branches": (lambda v: v >= 2, ">= 2 (a variance needs two branches)"),
-    "weighting.oracle_every": (lambda v: v >= 0, ">= 0 (0: measure once)"),
-    "recast.alpha": (lambda v: v > 0 and v != 1, "> 0 and != 1 (1 is the KL limit, not the Renyi formula)"),
-    "recast.temperature": (lambda v: v > 0, "> 0"),
-    "recast.sinkhorn_iterations": (lambda v: v >= 1, ">= 1"),
-    "recast.sinkhorn_tolerance": (lambda v: v > 0, "> 0"),
-    "recast.trajectories": (lambda v: v >= 1, ">= 1"),
-    "recast.branches": (lambda v: v >= 2, ">= 2 (a conditional mean over one branch is the reward itself)"),
-    "recast.every": (lambda v: v >= 0, ">= 0 (0: measure once)"),
-    "replay.max_epochs": (lambda v: v >= 0, ">= 0"),
-    "replay.k": (lambda v: v >= 0, ">= 0"),
-    "train.epochs": (lambda v: v >= 0, ">= 0"),
-    "train.lr": (lambda v: v > 0, "> 0"),
-    "train.clip_range": (lambda v: v > 0, "> 0 (use a large value such as 1e9 to turn clipping off)"),
-    "train.max_grad_norm": (lambda v: v > 0, "> 0"),
-    "train.timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "train.inner_epochs": (lambda v: v >= 1, ">= 1"),
-    "train.batch_size": (lambda v: v >= 1, ">= 1"),
-    "train.grad_accum_steps": (lambda v: v >= 1, ">= 1"),
-    "algorithm.kl_coef": (lambda v: v >= 0, ">= 0 (0: no KL term)"),
-    "algorithm.reward_scale": (lambda v: v > 0, "> 0"),
-    "system.num_samplers": (lambda v: v >= 1, ">= 1"),
-    "system.num_learners": (lambda v: v >= 1, ">= 1"),
-    "system.num_reward_actors": (lambda v: v >= 1, ">= 1"),
-    "system.max_policy_lag": (lambda v: v >= 0, ">= 0"),
-    "system.max_inflight_per_sampler": (lambda v: v >= 1, ">= 1"),
-    "system.idle_timeout_s": (lambda v: v > 0, "> 0"),
-    "system.start_timeout_s": (lambda v: v > 0, "> 0"),
-    "system.torch_threads": (lambda v: v >= 1, ">= 1"),
-    "system.max_actor_restarts": (lambda v: v >= 0, ">= 0"),
-    "system.max_batch_retries": (lambda v: v >= 0, ">= 0"),
-    "system.sampler_gpus": (lambda v: v >= 0, ">= 0"),
-    "system.reward_gpus": (lambda v: v >= 0, ">= 0"),
-    "system.learner_gpus": (lambda v: v >= 0, ">= 0"),
-    "run.save_every": (lambda v: v >= 1, ">= 1"),
-    "run.image_grid_every": (lambda v: v >= 0, ">= 0 (0: never)"),
-}
 
 
 def _coerce(key: str, value, typ):
@@ -311,12 +99,10 @@ def apply_overrides(obj, data: dict, prefix: str = "") -> None:
 
 def validate(cfg: Config) -> Config:
     flat = flatten(cfg.to_dict())
-    for key, allowed in _CHOICES.items():
-        if flat[key] not in allowed:
-            raise ConfigError(f"config key {key!r}: value {flat[key]!r} is not allowed; choose one of {', '.join(allowed)}")
-    for key, (ok, what) in _RANGES.items():
-        if not ok(flat[key]):
-            raise ConfigError(f"config key {key!r}: value {flat[key]!r} is out of range; must be {what}")
+    for key, declared in KEYS.items():
+        why = declared.problem(flat[key])
+        if why:
+            raise ConfigError(f"config key {key!r}: value {flat[key]!r} {why}")
     if cfg.sample.batch_size % cfg.sample.samples_per_prompt:
         raise ConfigError(
             f"config key 'sample.batch_size': value {cfg.sample.batch_size} must be a multiple of "
@@ -435,20 +221,53 @@ def presets() -> list[str]:
 
 def load_config(preset: str | None = "tiny", path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults < preset < YAML file < overrides; validated."""
+    return resolve_config(preset, path, overrides)[0]
+
+
+def resolve_config(preset: str | None = "tiny", path: str | Path | None = None,
+                   overrides: list[str] = ()) -> tuple[Config, dict[str, str]]:
+    """The validated config, and where each key's value came from: "default" (diffrlhf.keys),
+    "preset NAME", "file PATH" or "override" (the last layer that set it)."""
     cfg = Config()
     layers = []
     if preset:
         p = PRESET_DIR / f"{preset}.yaml"
         if not p.exists():
             raise ConfigError(f"unknown preset {preset!r}; available: {', '.join(presets())}")
-        layers.append(_load_yaml(p))
+        layers.append((f"preset {preset}", _load_yaml(p)))
         cfg.preset = preset
     if path:
-        layers.append(_load_yaml(Path(path)))
-    layers += [parse_override(o) for o in overrides]
-    for layer in layers:
+        layers.append((f"file {path}", _load_yaml(Path(path))))
+    layers += [("override", parse_override(o)) for o in overrides]
+    sources = dict.fromkeys(KEYS, "default")
+    for source, layer in layers:
         apply_overrides(cfg, layer)
-    return validate(cfg)
+        sources.update(dict.fromkeys(flatten(layer), source))
+    return validate(cfg), sources
+
+
+def keys_table() -> str:
+    """Every key as a markdown table (what `diffrlhf config keys` prints and README embeds)."""
+    rows = ["| key | type | default | allowed | meaning | read by |", "| --- | --- | --- | --- | --- | --- |"]
+    for k in KEYS.values():
+        typ = "any" if k.type is typing.Any else k.type.__name__
+        default = yaml.safe_dump(k.default, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+        cells = [f"`{k.name}`", typ, f"`{default}`", k.allowed() + (f" ({k.why})" if k.why else ""), k.doc, ", ".join(k.roles)]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def show_config(cfg: Config, sources: dict[str, str]) -> str:
+    """The resolved config as YAML, each value with its source (Hydra's --cfg job, with provenance)."""
+    flat, lines, section = flatten(cfg.to_dict()), [], None
+    for key in KEYS:
+        sec, leaf = key.split(".", 1)
+        if sec != section:
+            lines.append(f"{sec}:")
+            section = sec
+        value = yaml.safe_dump(flat[key], default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+        lines.append(f"  {leaf + ':':<28} {value:<40} # {sources[key]}")
+    return "\n".join(lines) + "\n"
 
 
 def config_from_dict(d: dict) -> Config:

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# The attention projections DDPO trains; model.lora_targets / model.lora_rank default to these.
-DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
-DEFAULT_RANK = 4
+from diffrlhf.keys import default
+# The attention projections DDPO trains (model.lora_targets) and the rank (model.lora_rank).
+DEFAULT_TARGETS = tuple(default("model.lora_targets"))
+DEFAULT_RANK = default("model.lora_rank")
 
 
 def add_lora(unet, rank: int = DEFAULT_RANK, alpha: float | None = None, targets=DEFAULT_TARGETS, seed: int = 0) -> None:

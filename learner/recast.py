@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from diffrlhf.keys import check, default
+
 
 class SinkhornError(RuntimeError):
     """Sinkhorn did not meet its marginals within the iterations it was given."""
@@ -28,11 +30,12 @@ def _float64(x, name: str) -> torch.Tensor:
     return x
 
 
-def renyi_divergence(ratios: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
+def renyi_divergence(ratios: torch.Tensor, alpha: float = default("recast.alpha")) -> torch.Tensor:
     """Renyi divergence of order alpha from density ratios, over the last dim (the observed states):
     log(mean(ratios ** alpha)) / (alpha - 1)."""
-    if not math.isfinite(alpha) or alpha <= 0 or alpha == 1:
-        raise ValueError(f"alpha must be finite, > 0 and != 1 (1 is the KL limit, not this formula), got {alpha}")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite, got {alpha}")
+    check("recast.alpha", alpha)  # > 0 and != 1
     ratios = torch.as_tensor(ratios, dtype=torch.float64)
     if ratios.ndim == 0 or ratios.shape[-1] == 0:
         raise ValueError(f"ratios need a non-empty last dim (the observed states), got shape {tuple(ratios.shape)}")
@@ -44,7 +47,7 @@ def renyi_divergence(ratios: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
     return torch.log((ratios**alpha).mean(-1).clamp(min=1e-30)) / (alpha - 1)
 
 
-def discriminability(conditional_means: torch.Tensor, prompt_means: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
+def discriminability(conditional_means: torch.Tensor, prompt_means: torch.Tensor, alpha: float = default("recast.alpha")) -> torch.Tensor:
     """D [R, T]: the Renyi divergence of rho = E[r_i | x_t] / E[r_i | prompt] over N probe trajectories.
 
     conditional_means [R, T, N]: E[r_i | state after step t = 1..T of trajectory n];
@@ -87,8 +90,8 @@ def nonnegative(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rewards - shifts.reshape(-1, *([1] * (rewards.ndim - 1))), shifts
 
 
-def sinkhorn_weights(gains: torch.Tensor, budgets, temperatures=1.0, iterations: int = 1000,
-                     tolerance: float = 1e-9) -> torch.Tensor:
+def sinkhorn_weights(gains: torch.Tensor, budgets, temperatures=default("recast.temperature"),
+                     iterations: int = default("recast.sinkhorn_iterations"), tolerance: float = default("recast.sinkhorn_tolerance")) -> torch.Tensor:
     """W [R, T] float64 by log-domain Sinkhorn on exp(g_hat / tau): rows budgets / sum(budgets), columns 1 / T.
 
     gains [R, T] >= 0; budgets [R] > 0; temperatures a float or [R], > 0. g_hat is each row of gains
@@ -108,8 +111,9 @@ def sinkhorn_weights(gains: torch.Tensor, budgets, temperatures=1.0, iterations:
         tau = tau.expand(n_rewards)
     if tau.shape != (n_rewards,) or (tau <= 0).any():
         raise ValueError(f"temperatures must be a float or {n_rewards} values, > 0, got {tau.tolist()}")
-    if int(iterations) != iterations or iterations < 1 or not (tolerance > 0):
-        raise ValueError(f"need iterations >= 1 (int) and tolerance > 0, got {iterations} and {tolerance}")
+    if int(iterations) != iterations or math.isnan(tolerance):
+        raise ValueError(f"need an int number of iterations and a number as tolerance, got {iterations} and {tolerance}")
+    check("recast.sinkhorn_iterations", iterations), check("recast.sinkhorn_tolerance", tolerance)
 
     # dividing by the mean makes the kernel free of each reward's scale; tau alone sets its sharpness
     mean = g.mean(1, keepdim=True)
@@ -132,8 +136,8 @@ def sinkhorn_weights(gains: torch.Tensor, budgets, temperatures=1.0, iterations:
                         f"{residual:.3e} > tolerance {tolerance:.1e} (raise iterations or the temperatures)")
 
 
-def recast_weights(conditional_means, prompt_means, budgets, alpha=2.0, temperatures=1.0, iterations=1000,
-                   tolerance=1e-9) -> dict:
+def recast_weights(conditional_means, prompt_means, budgets, alpha=default("recast.alpha"), temperatures=default("recast.temperature"),
+                   iterations=default("recast.sinkhorn_iterations"), tolerance=default("recast.sinkhorn_tolerance")) -> dict:
     """The whole ReCAST pass: {"discriminability": D [R, T], "gains": g [R, T], "weights": W [R, T]}."""
     d = discriminability(conditional_means, prompt_means, alpha)
     g = timestep_gains(d)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-SELECTIONS = ("all", "random", "weighted", "top", "window", "backward")
+from diffrlhf.keys import choices
+SELECTIONS = choices("train.timestep_selection")
 
 
 def num_trained_steps(num_steps: int, fraction: float) -> int:

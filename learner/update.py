@@ -41,6 +41,7 @@ import torch
 
 from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.keys import choices, default
 from diffrlhf.learner.credit import build_credit
 from diffrlhf.learner.distributed import Group
 from diffrlhf.learner.lora import (DEFAULT_RANK, DEFAULT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict,
@@ -52,40 +53,40 @@ from diffrlhf.policy.ddim import ddim_step_mean_std, ddim_step_with_logprob, gui
 from diffrlhf.policy.sampler import SamplingSettings
 
 # Old log-probs of replayed rows: recorded at sampling time, or recomputed under the policy at update start.
-LOGPROB_MODES = ("recorded", "recompute")
-# The policy-gradient algorithm the update runs (algorithm.name); a new one adds its name here and its
-# branch in PolicyLearner.update.
-ALGORITHMS = ("ddpo", "dpok", "b2diffurl")
+LOGPROB_MODES = choices("replay.logprob_mode")
+# The policy-gradient algorithm the update runs (algorithm.name); a new one adds its name to the key
+# table (diffrlhf.keys) and its branch in PolicyLearner.update.
+ALGORITHMS = choices("algorithm.name")
 
 
 @dataclass
 class UpdateSettings:
-    """The learner's settings; their defaults are the config's (deploy/config.py reads them from here)."""
+    """The learner's settings (train.*, weighting.*, algorithm.* and friends; defaults declared in diffrlhf.keys)."""
 
-    lr: float = 3e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    weight_decay: float = 1e-4
-    adam_eps: float = 1e-8
-    clip_range: float | None = 1e-4
-    max_grad_norm: float = 1.0
-    timestep_fraction: float = 1.0
-    timestep_selection: str = "random"  # one of learner.timesteps.SELECTIONS
+    lr: float = default("train.lr")
+    adam_beta1: float = default("train.adam_beta1")
+    adam_beta2: float = default("train.adam_beta2")
+    weight_decay: float = default("train.weight_decay")
+    adam_eps: float = default("train.adam_eps")
+    clip_range: float | None = default("train.clip_range")
+    max_grad_norm: float = default("train.max_grad_norm")
+    timestep_fraction: float = default("train.timestep_fraction")
+    timestep_selection: str = default("train.timestep_selection")  # one of learner.timesteps.SELECTIONS
     total_epochs: int = 0  # the run's train.epochs: where the `window` selection is in its schedule
-    inner_epochs: int = 1
-    batch_size: int = 8
-    grad_accum_steps: int = 1
-    weighting: str = "uniform"  # one of learner.weighting.SCHEMES
-    gaussian_width: float = 0.2
-    logprob_mode: str = "recorded"  # one of LOGPROB_MODES
+    inner_epochs: int = default("train.inner_epochs")
+    batch_size: int = default("train.batch_size")
+    grad_accum_steps: int = default("train.grad_accum_steps")
+    weighting: str = default("weighting.scheme")  # one of learner.weighting.SCHEMES
+    gaussian_width: float = default("weighting.gaussian_width")
+    logprob_mode: str = default("replay.logprob_mode")  # one of LOGPROB_MODES
     # The learner evaluates the sampler's policy, so it takes the sampler's eta and guidance.
     eta: float = SamplingSettings.eta
     guidance_scale: float = SamplingSettings.guidance_scale
-    algorithm: str = "ddpo"  # one of ALGORITHMS
+    algorithm: str = default("algorithm.name")  # one of ALGORITHMS
     # DPOK's beta: weight of the per-step KL (summed over latent elements) to the pretrained model.
-    kl_coef: float = 0.01
-    reward_scale: float = 1.0  # DPOK's alpha: the advantage's scale in the policy-gradient term
-    recast: str = "off"  # one of buffer.credit.RECAST_MODES: ReCAST's per-reward credit over the steps (off: DDPO's)
+    kl_coef: float = default("algorithm.kl_coef")
+    reward_scale: float = default("algorithm.reward_scale")  # DPOK's alpha: the advantage's scale in the policy-gradient term
+    recast: str = default("recast.mode")  # one of buffer.credit.RECAST_MODES: ReCAST's per-reward credit over the steps (off: DDPO's)
 
 
 class PolicyLearner:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from diffrlhf.keys import choices
 from diffrlhf.policy.branching import per_step_variance
 from diffrlhf.policy.ddim import ddim_std
 
-SCHEMES = ("uniform", "latent_sq", "latent_abs", "ddim_std", "gaussian_early", "gaussian_mid", "gaussian_late", "oracle")
+SCHEMES = choices("weighting.scheme")
 _GAUSSIAN_CENTRES = {"gaussian_early": 0.0, "gaussian_mid": 0.5, "gaussian_late": 1.0}
 
 

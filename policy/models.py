@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from diffrlhf.keys import choices
 from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder
 from diffrlhf.tinyworld.architecture import ensure_sd15_random, ensure_tiny_random
 from diffrlhf.tinyworld.weights import TinyWorldWeightsError, ensure_tiny_world
@@ -30,8 +31,8 @@ from diffrlhf.tinyworld.weights import TinyWorldWeightsError, ensure_tiny_world
 TINY_RANDOM = "tiny-random"
 SD15_RANDOM = "sd15-random"  # SD1.5's size, random weights: the name says so in the config, the log and the run folder
 TINY_WORLD = "tiny-world"
-DTYPES = ("float32", "float16", "bfloat16")  # model.dtype: the base model's torch dtype (LoRA stays fp32)
-DEVICES = ("auto", "cpu", "cuda")  # model.device, see resolve_device
+DTYPES = choices("model.dtype")  # the base model's torch dtype (LoRA stays fp32)
+DEVICES = choices("model.device")  # see resolve_device
 
 class ModelNotFoundError(FileNotFoundError):
     """The model weights are not on this machine."""

@@ -11,19 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.keys import default
+from diffrlhf.policy.ddim import ddim_step_with_logprob, guided_noise_pred
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How a trajectory is sampled; their defaults are the config's (deploy/config.py reads them from here)."""
+    """How a trajectory is sampled (the sample.* keys; defaults declared in diffrlhf.keys)."""
 
-    num_steps: int = 20
-    eta: float = 1.0
-    guidance_scale: float = 5.0
-    resolution: int = 64
-    negative_prompt: str = ""
+    num_steps: int = default("sample.num_steps")
+    eta: float = default("sample.eta")
+    guidance_scale: float = default("sample.guidance_scale")
+    resolution: int = default("sample.resolution")
+    negative_prompt: str = default("sample.negative_prompt")
 
     def meta(self) -> dict:
         return dict(num_steps=self.num_steps, eta=self.eta, guidance_scale=self.guidance_scale,

@@ -37,8 +37,9 @@ from ._weights import cache_dir
 
 ENVS_VAR = "DIFFRLHF_REWARD_ENVS"  # where the venvs live (default: <cache>/reward-envs); the same path on every node
 MANIFEST = "diffrlhf-reward-env.json"
-# The project's subpackages linked into a venv (the reward worker imports rewards/ and actors/).
-PROJECT_PACKAGES = ("actors", "buffer", "deploy", "learner", "policy", "rewards", "tinyworld")
+# The project's subpackages linked into a venv (the reward worker imports rewards/, actors/, keys/);
+# tests/test_reward_envs.py holds this equal to pyproject's package list.
+PROJECT_PACKAGES = ("actors", "buffer", "deploy", "keys", "learner", "policy", "rewards", "tinyworld")
 # BLIP's med_config.json as ImageReward ships it (BERT-base with cross-attention; BLIP overwrites
 # encoder_width with the vision width). The wheel does not carry it; ImageReward.load fetches it.
 IMAGEREWARD_MED_CONFIG = {
@@ -136,6 +137,10 @@ def check(name: str, root: Path | None = None, core: dict | None = None) -> Path
     manifest = folder / MANIFEST
     if not manifest.is_file() or not env_python(folder).exists():
         raise RewardEnvError(f"reward environment {name!r} at {folder} is half-built (no {MANIFEST}): {fix}")
+    missing = [p for p in PROJECT_PACKAGES if not (folder / "diffrlhf-project" / "diffrlhf" / p).exists()]
+    if missing:
+        raise RewardEnvError(f"reward environment {name!r} at {folder} was built by an older diffrlhf (no link to "
+                             f"{', '.join(missing)}): rebuild it with `{build_command(name)}`")
     built = json.loads(manifest.read_text())
     core = core or core_versions()
     for key in ("python", "ray"):

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffrlhf.keys import choices
+
 from . import Spec, WeightedSum, build_reward, spec_name
 
-NAN_POLICIES = ("raise", "drop")  # reward.nan_policy: what RewardServer does with a NaN/inf reward
+NAN_POLICIES = choices("reward.nan_policy")  # what RewardServer does with a NaN/inf reward
 
 
 class NonFiniteRewardError(FloatingPointError):

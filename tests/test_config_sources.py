@@ -1,5 +1,6 @@
-"""One home for each allowed value and default: the config reads them from the modules that implement
-them, the role settings carry every config key they mean, and reward.runtime_env=auto resolves."""
+"""One home for each allowed value and default, the key table (diffrlhf.keys): the implementing
+modules and the config read them from it, the role settings carry every config key they mean, and
+reward.runtime_env=auto resolves."""
 import ast
 import dataclasses
 import inspect
@@ -11,6 +12,7 @@ from diffrlhf.actors.settings import REWARD_PYTHON_ENV, reward_runtime_env, samp
 from diffrlhf.buffer import advantages, replay
 from diffrlhf.buffer.credit import RECAST_MODES
 from diffrlhf.deploy import config
+from diffrlhf.keys import KEYS
 from research.bench import study
 from diffrlhf.deploy.config import Config, ConfigError, flatten, load_config
 from diffrlhf.learner import timesteps, weighting
@@ -40,14 +42,14 @@ def update_key(field: str) -> str:
     return UPDATE_KEYS_ELSEWHERE.get(field, f"train.{field}")
 
 
-def test_allowed_values_are_the_implementing_modules_own():
+def test_the_implementing_modules_vocabularies_are_the_key_tables():
     expected = {"model.dtype": models.DTYPES, "model.device": models.DEVICES, "reward.nan_policy": NAN_POLICIES,
                 "advantage.mode": advantages.MODES, "weighting.scheme": weighting.SCHEMES, "replay.mode": replay.MODES,
                 "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS,
                 "algorithm.name": ALGORITHMS, "recast.mode": RECAST_MODES}
-    assert config._CHOICES.keys() == expected.keys()
+    assert {k for k, key in KEYS.items() if key.choices is not None} == expected.keys()
     for key, allowed in expected.items():
-        assert config._CHOICES[key] is allowed, f"{key}: the config restates its allowed values instead of reading them"
+        assert KEYS[key].choices is allowed, f"{key}: the module restates its allowed values instead of reading the table"
     # ... and the study's suites cover exactly them
     assert tuple(study.SUITES["weighting"]) == weighting.SCHEMES
     assert tuple(study.SUITES["replay"]) == replay.MODES

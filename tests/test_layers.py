@@ -1,4 +1,4 @@
-"""The dependency direction, enforced: deploy -> actors -> learner -> policy -> tinyworld -> {rewards, buffer}.
+"""The dependency direction, enforced: deploy -> actors -> learner -> policy -> tinyworld -> {rewards, buffer} -> keys.
 
 Every `diffrlhf` import in the package (module-level and function-local alike) must point to the
 same layer or one below it; rewards and buffer sit side by side at the bottom and import neither
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Highest first. A layer may import itself and any layer with a larger index.
-LAYERS = [("deploy",), ("actors",), ("learner",), ("policy",), ("tinyworld",), ("rewards", "buffer")]
+LAYERS = [("deploy",), ("actors",), ("learner",), ("policy",), ("tinyworld",), ("rewards", "buffer"), ("keys",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

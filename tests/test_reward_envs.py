@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,8 @@ def fake_env(root, name, **versions):
     folder = envs.env_dir(name, root)
     (folder / "bin").mkdir(parents=True)
     (folder / "bin" / "python").write_text("")
+    for sub in envs.PROJECT_PACKAGES:
+        (folder / "diffrlhf-project" / "diffrlhf" / sub).mkdir(parents=True)
     if versions:
         (folder / envs.MANIFEST).write_text(json.dumps(versions))
     return folder
@@ -35,6 +39,7 @@ def test_check_accepts_a_complete_env_made_for_this_core(tmp_path):
     ("half", r"reward environment 'hpsv2' at .* is half-built \(no diffrlhf-reward-env.json\): build it with `diffrlhf reward-env build hpsv2`"),
     ("ray", r"reward environment 'hpsv2' at .* has ray 2.59.0 but this environment has ray 2.60.0: rebuild it with `diffrlhf reward-env build hpsv2`"),
     ("python", r"has python 3.10 but this environment has python 3.11: rebuild it"),
+    ("old", r"was built by an older diffrlhf \(no link to keys\): rebuild it with `diffrlhf reward-env build hpsv2`"),
 ])
 def test_check_refuses_in_one_line_naming_the_build_command(tmp_path, state, message):
     if state == "half":
@@ -43,6 +48,8 @@ def test_check_refuses_in_one_line_naming_the_build_command(tmp_path, state, mes
         fake_env(tmp_path, "hpsv2", python="3.11", ray="2.59.0")
     elif state == "python":
         fake_env(tmp_path, "hpsv2", python="3.10", ray="2.60.0")
+    elif state == "old":
+        (fake_env(tmp_path, "hpsv2", python="3.11", ray="2.60.0") / "diffrlhf-project" / "diffrlhf" / "keys").rmdir()
     with pytest.raises(envs.RewardEnvError, match=message) as e:
         envs.check("hpsv2", tmp_path, core=CORE)
     assert "\n" not in str(e.value)
@@ -79,6 +86,9 @@ def test_the_project_links_reach_every_subpackage(tmp_path):
     assert done.returncode == 0, done.stderr
     assert os.path.realpath(done.stdout.strip()) == os.path.realpath(envs.__file__)
     assert sorted(p.name for p in (parent / "diffrlhf").iterdir()) == sorted(envs.PROJECT_PACKAGES)
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    packages = re.search(r"^packages = \[(.*)\]$", pyproject, re.M).group(1)
+    assert sorted(re.findall(r'"diffrlhf\.(\w+)"', packages)) == sorted(envs.PROJECT_PACKAGES)
 
 
 def test_the_reward_role_imports_nothing_a_reward_venv_lacks():
@@ -89,7 +99,7 @@ def test_the_reward_role_imports_nothing_a_reward_venv_lacks():
             "[sys.modules.pop(k) for k in list(sys.modules) if k.startswith(('diffrlhf', 'diffusers', 'transformers', 'peft', 'yaml'))];"
             "pickle.loads(blob); import diffrlhf.actors.reward_worker;"
             "print(sorted({k.split('.')[0] for k in sys.modules if k.split('.')[0] in ('diffusers', 'transformers', 'peft', 'yaml')}),"
-            "sorted(k for k in sys.modules if k.startswith('diffrlhf.') and k.split('.')[1] not in ('actors', 'rewards')))")
+            "sorted(k for k in sys.modules if k.startswith('diffrlhf.') and k.split('.')[1] not in ('actors', 'rewards', 'keys')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "[]"], done.stdout
