@@ -10,9 +10,8 @@ import torch
 from diffrlhf.actors.reward_worker import reward_server  # noqa: F401  (settings is where the roles' builders are found)
 from diffrlhf.buffer.advantages import AdvantageComputer
 from diffrlhf.buffer.credit import RecastCredit
-from diffrlhf.buffer.epoch import branch_extremes
 from diffrlhf.buffer.replay import ReplayBuffer
-from diffrlhf.learner.timesteps import backward_trained_steps, num_trained_steps
+from diffrlhf.learner import algorithms
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
 from diffrlhf.policy.models import SDComponents, load_components, resolve_device
 from diffrlhf.policy.prompts import BatchPlan, plan_batch
@@ -94,15 +93,8 @@ def replay_buffer(cfg) -> ReplayBuffer:
 
 
 def branch_step(cfg, epoch: int) -> int | None:
-    """Where the samplers of `epoch` branch under algorithm.name=b2diffurl (None otherwise): after
-    T - k steps, k the steps the learner's `backward` selection trains at that epoch's update (its
-    progress is updates done / epochs, and update e is the e-th), so the trained segment is exactly
-    the branched one."""
-    if cfg.algorithm.name != "b2diffurl":
-        return None
-    t = cfg.sample.num_steps
-    first = num_trained_steps(t, cfg.train.timestep_fraction)
-    return t - backward_trained_steps(t, first, min(1.0, epoch / cfg.train.epochs))
+    """Where the samplers of `epoch` branch each prompt's samples (the algorithm's; None: plain trajectories)."""
+    return algorithms.get(cfg.algorithm.name).branch_step(cfg, epoch)
 
 
 def plan_for(cfg, prompt_list: list[str], epoch: int, batch_index: int) -> BatchPlan:
@@ -113,9 +105,5 @@ def plan_for(cfg, prompt_list: list[str], epoch: int, batch_index: int) -> Batch
 
 
 def train_rows(cfg):
-    """The buffer's choice of an epoch's rows to train: all (None), or under b2diffurl each branch
-    group's extremes (buffer/epoch.py branch_extremes)."""
-    if cfg.algorithm.name != "b2diffurl":
-        return None
-    a, g = cfg.algorithm, cfg.sample.samples_per_prompt
-    return lambda batch: branch_extremes(batch.sample_ids, batch.advantages, g, a.b2_pos_threshold, a.b2_neg_threshold)
+    """The buffer's choice of an epoch's rows to train: all (None), or the algorithm's."""
+    return algorithms.get(cfg.algorithm.name).train_rows(cfg)

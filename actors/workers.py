@@ -150,7 +150,7 @@ class LearnerWorker(Role):
         if lag[1] > 0:
             metrics["policy_lag_max"] = int(self.learner.version - 1 - oldest.item())
             metrics["policy_lag_mean"] = float(self.learner.version - 1 - lag[0] / lag[1])
-        else:  # no fresh row was trained (b2diffurl: no branch group passed its thresholds)
+        else:  # no fresh row was trained (the algorithm's train_rows kept none)
             metrics["policy_lag_max"], metrics["policy_lag_mean"] = 0, float("nan")
         return metrics, (self.weights() if self.rank == 0 else None)
 

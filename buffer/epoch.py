@@ -33,32 +33,12 @@ class EmptyEpochError(RuntimeError):
     """Every trajectory of an epoch was lost before training (dropped rewards or batches)."""
 
 
-def branch_extremes(sample_ids, advantages, group_size: int, pos_threshold: float, neg_threshold: float) -> list[int]:
-    """B2-DiffuRL's choice of training rows: in each branch group (the rows whose sample id // group_size
-    is equal: one shared prefix), the row of largest advantage if it is >= pos_threshold and the row
-    of smallest advantage if it is < neg_threshold; the other rows are not trained. Ties go to the
-    first row. Returns row indices in ascending order. A group short of rows (a dropped reward)
-    still gives its extremes."""
-    ids = torch.as_tensor(sample_ids).tolist()
-    adv = torch.as_tensor(advantages, dtype=torch.float64).tolist()
-    groups: dict[int, list[int]] = {}
-    for row, sid in enumerate(ids):
-        groups.setdefault(sid // group_size, []).append(row)
-    keep = []
-    for rows in groups.values():
-        best = max(rows, key=lambda r: adv[r])  # max/min return the first of equal values
-        worst = min(rows, key=lambda r: adv[r])
-        keep += [best] if adv[best] >= pos_threshold else []
-        keep += [worst] if adv[worst] < neg_threshold else []
-    return sorted(keep)
-
-
 def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: AdvantageComputer, replay: ReplayBuffer,
                    train_rows=None, credit: RecastCredit | None = None) -> tuple[TrajectoryBatch, dict]:
     """Advantages over the whole epoch (parts in batch-index order), then store it for replay.
 
-    train_rows (optional): batch -> the row indices to train and store (B2-DiffuRL's branch
-    extremes); every row was scored and counts in the summary either way.
+    train_rows (optional): batch -> the row indices to train and store (the algorithm's choice,
+    learner/algorithms); every row was scored and counts in the summary either way.
     credit (optional, ReCAST): also the term advantages of each row (buffer/credit.py); the row's
     one advantage stays that of the weighted sum, which replay's |A| priority ranks by.
     Returns the scored epoch and its summary (rewards, versions and a few images for the log)."""

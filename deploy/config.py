@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from diffrlhf.keys import KEYS, SECTIONS, section_keys
+from diffrlhf.learner import algorithms
 from diffrlhf.rewards import weighted_sum_weights
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -116,17 +117,16 @@ def validate(cfg: Config) -> Config:
     if cfg.train.timestep_selection == "all" and cfg.train.timestep_fraction != 1:
         raise ConfigError(f"config key 'train.timestep_fraction': value {cfg.train.timestep_fraction} must be 1 with "
                           "train.timestep_selection=all (every step is trained); for a subset choose random, weighted, top or window")
-    if cfg.algorithm.name == "b2diffurl":
-        if cfg.sample.samples_per_prompt < 2:
-            raise ConfigError("config key 'algorithm.name': b2diffurl branches each prompt's samples from a shared prefix, so "
-                              f"sample.samples_per_prompt (the branches, now {cfg.sample.samples_per_prompt}) must be >= 2")
-        if cfg.train.timestep_selection != "backward":
-            raise ConfigError(f"config key 'train.timestep_selection': b2diffurl trains the steps after its branch point, "
-                              f"so it must be 'backward' (got {cfg.train.timestep_selection!r}); train.timestep_fraction "
-                              "is then the first stage's share of the steps (the reference: 0.7)")
-        if cfg.algorithm.b2_neg_threshold >= cfg.algorithm.b2_pos_threshold:
-            raise ConfigError(f"config key 'algorithm.b2_neg_threshold': value {cfg.algorithm.b2_neg_threshold} must be "
-                              f"below algorithm.b2_pos_threshold ({cfg.algorithm.b2_pos_threshold})")
+    if cfg.algorithm.name not in algorithms.names():
+        raise ConfigError(f"config key 'algorithm.name': value {cfg.algorithm.name!r} is not allowed; choose one of "
+                          f"{', '.join(algorithms.names())}")
+    algorithm = algorithms.get(cfg.algorithm.name)
+    why = algorithm.check(cfg)
+    if why:
+        raise ConfigError(why)
+    if cfg.recast.mode != "off" and not algorithm.supports_recast:
+        raise ConfigError(f"config key 'algorithm.name': recast.mode={cfg.recast.mode} needs an algorithm whose loss takes "
+                          f"each reward's credit (ddpo), got {cfg.algorithm.name!r}; set algorithm.name=ddpo or recast.mode=off")
     if cfg.train.batch_size < cfg.system.num_learners:
         raise ConfigError(f"config key 'system.num_learners': value {cfg.system.num_learners} is more than train.batch_size "
                           f"({cfg.train.batch_size}); every learner trains a slice of each mini-batch, so lower num_learners "
@@ -158,9 +158,6 @@ def _validate_recast(cfg: Config) -> None:
     if cfg.advantage.mode == "per_prompt":
         raise ConfigError(f"config key 'advantage.mode': recast.mode={mode} normalises each step's (or each reward's) "
                           "rewards over the epoch, so choose group or batch (per_prompt's tracker holds one reward's history)")
-    if cfg.algorithm.name != "ddpo":
-        raise ConfigError(f"config key 'algorithm.name': recast.mode={mode} is built on ddpo's loss only, got "
-                          f"{cfg.algorithm.name!r}; set algorithm.name=ddpo or recast.mode=off")
     if cfg.weighting.scheme == "oracle":
         raise ConfigError(f"config key 'weighting.scheme': recast.mode={mode} runs its own probe; combine it with a "
                           "fixed scheme (uniform, ddim_std, ...), not oracle")
@@ -173,6 +170,18 @@ def flatten(d: dict, prefix: str = "") -> dict:
             out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
+    return out
+
+
+def unflatten(flat: dict) -> dict:
+    """{'train.lr': 0.1} -> {'train': {'lr': 0.1}}."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
     return out
 
 
@@ -220,14 +229,15 @@ def presets() -> list[str]:
 
 
 def load_config(preset: str | None = "tiny", path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults < preset < YAML file < overrides; validated."""
+    """Key table < the algorithm's defaults < preset < YAML file < overrides; validated."""
     return resolve_config(preset, path, overrides)[0]
 
 
 def resolve_config(preset: str | None = "tiny", path: str | Path | None = None,
                    overrides: list[str] = ()) -> tuple[Config, dict[str, str]]:
     """The validated config, and where each key's value came from: "default" (diffrlhf.keys),
-    "preset NAME", "file PATH" or "override" (the last layer that set it)."""
+    "algorithm NAME" (its own defaults), "preset NAME", "file PATH" or "override" (the last layer
+    that set it)."""
     cfg = Config()
     layers = []
     if preset:
@@ -239,6 +249,12 @@ def resolve_config(preset: str | None = "tiny", path: str | Path | None = None,
     if path:
         layers.append((f"file {path}", _load_yaml(Path(path))))
     layers += [("override", parse_override(o)) for o in overrides]
+    # The algorithm's own defaults sit between the key table and the preset: the last layer that
+    # names algorithm.name picks it.
+    name = next((layer["algorithm"]["name"] for _, layer in reversed(layers)
+                 if isinstance(layer.get("algorithm"), dict) and "name" in layer["algorithm"]), KEYS["algorithm.name"].default)
+    if isinstance(name, str) and name in algorithms.names() and algorithms.get(name).defaults:
+        layers.insert(0, (f"algorithm {name}", unflatten(algorithms.get(name).defaults)))
     sources = dict.fromkeys(KEYS, "default")
     for source, layer in layers:
         apply_overrides(cfg, layer)

@@ -178,8 +178,9 @@ _TABLE = [
     _k("train.grad_accum_steps", int, 1, "optimizer step every this many mini-batches (x trained steps), as DDPO", "learner",
        at_least=1),
     # algorithm
-    _k("algorithm.name", str, "ddpo", "ddpo, dpok (KL to the pretrained model) or b2diffurl (branch sampling, backward "
-       "training)", "sampler buffer learner driver", choices=("ddpo", "dpok", "b2diffurl")),
+    _k("algorithm.name", str, "ddpo", "a registered algorithm (learner/algorithms/; `diffrlhf config show` lists them): ddpo, "
+       "dpok (KL to the pretrained model), b2diffurl (branch sampling, backward training); it brings its own defaults",
+       "sampler buffer learner driver"),
     _k("algorithm.kl_coef", float, 0.01, "dpok: beta, weight of the per-step KL to the pretrained model", "learner", at_least=0,
        why="0: no KL term"),
     _k("algorithm.reward_scale", float, 1.0, "dpok: alpha, scale of the advantage", "learner", above=0),

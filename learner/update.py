@@ -16,21 +16,18 @@ The advantage of step i of trajectory b is c_bi * w_i * A_b with w from learner/
 c the selection's coefficient (1 except for `weighted`). Under ReCAST (settings.recast, from
 recast.mode; learner/credit.py) A_b is replaced by the credit part's terms: step i's own advantage
 A_b,i (pre), or one clipped loss per reward r with advantage c_bi * w_i * (T W)_r,i * A_b,r (loss).
-The algorithm (`algorithm.name`): `ddpo` is the above; `dpok` (Fan et al. 2023) scales the advantage by
-alpha (reward_scale) and adds beta (kl_coef) times c times the per-step KL between the policy's DDIM
-step and the pretrained model's (learner/loss.py dpok_loss), the pretrained mean coming from the same
-UNet with the LoRA bypassed (learner/lora.py adapter_disabled), one extra forward without gradient.
-`b2diffurl` (Hu et al. 2025) trains with DDPO's loss; what makes it B2-DiffuRL is upstream: the
-samplers branch (policy/branching.py sample_branched), the buffer keeps each branch group's
-extremes (buffer/epoch.py branch_extremes) and train.timestep_selection=backward trains the steps
-after the branch point. An update may then have no rows (no group passed the thresholds): the
-version still advances, so the schedule stays in step with the epochs, and nothing is trained.
+The algorithm (`algorithm.name`, learner/algorithms/) gives the loss at each trained step
+(`step_loss`: DDPO's clipped surrogate, DPOK's with its KL to the pretrained model, ...) and says
+whether the pretrained model's step mean is needed (computed here with the LoRA bypassed,
+learner/lora.py adapter_disabled: one extra forward without gradient) and which statistics it
+records. An update may have no rows (an algorithm that trains some rows only, when none qualified):
+the version still advances, so the schedule stays in step with the epochs, and nothing is trained.
 Compute is counted: `learner_passes` = trajectory-steps trained (one UNet forward+backward of one
 sample at one step, on CFG's doubled input), `learner_calls` = UNet forward+backward calls (a chunk
 of rows at one step), `learner_forward_passes` = forward-only trajectory-steps (log-prob
-recomputation of replayed rows; under `dpok` also the pretrained model's prediction at every trained
-row and step), `learner_s` = the update's seconds. `dpok` records the mean per-step KL to the
-pretrained model over the trained (row, step)s as `kl_pretrained`.
+recomputation of replayed rows; with an algorithm that uses the pretrained model, also its
+prediction at every trained row and step), `learner_s` = the update's seconds; an algorithm's own
+records (e.g. `kl_pretrained`) are means over the trained (row, step)s.
 """
 from __future__ import annotations
 
@@ -42,11 +39,12 @@ import torch
 from diffrlhf.buffer.sharding import Shard, chunk_share, update_chunks, update_generator
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.keys import choices, default
+from diffrlhf.learner import algorithms
+from diffrlhf.learner.algorithms import StepContext
 from diffrlhf.learner.credit import build_credit
 from diffrlhf.learner.distributed import Group
 from diffrlhf.learner.lora import (DEFAULT_RANK, DEFAULT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict,
                                    lora_parameters, lora_state_dict)
-from diffrlhf.learner.loss import dpok_loss, gaussian_kl_equal_std, ppo_clipped_loss
 from diffrlhf.learner.timesteps import num_trained_steps, select_timesteps
 from diffrlhf.learner.weighting import timestep_weights
 from diffrlhf.policy.ddim import ddim_step_mean_std, ddim_step_with_logprob, guided_noise_pred
@@ -54,9 +52,8 @@ from diffrlhf.policy.sampler import SamplingSettings
 
 # Old log-probs of replayed rows: recorded at sampling time, or recomputed under the policy at update start.
 LOGPROB_MODES = choices("replay.logprob_mode")
-# The policy-gradient algorithm the update runs (algorithm.name); a new one adds its name to the key
-# table (diffrlhf.keys) and its branch in PolicyLearner.update.
-ALGORITHMS = choices("algorithm.name")
+# The policy-gradient algorithms the update can run (algorithm.name): learner/algorithms/.
+ALGORITHMS = algorithms.names()
 
 
 @dataclass
@@ -164,9 +161,7 @@ class PolicyLearner:
                              f"{(self.seed, self.version)}: the buffer and the learner disagree on the epoch")
         if torch.isnan(batch.advantages).any():
             raise ValueError("PolicyLearner.update needs advantages for every trajectory")
-        if s.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {s.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-        dpok = s.algorithm == "dpok"
+        algorithm = algorithms.get(s.algorithm)
         credit = build_credit(s.recast, self.recast_weights)
         if shard.num_rows == 0:
             return self._empty_update(t_start)
@@ -187,8 +182,9 @@ class PolicyLearner:
         gen = update_generator(self.seed, self.version)
         chunks = update_chunks(b, s.batch_size, gen)
         # Per mini-batch x step ("micro"), this rank's sums: rows, loss, kl, clipfrac (x rows),
-        # clipped replayed rows, replayed rows, clipped fresh rows, fresh rows, KL to the pretrained
-        # model (x rows; dpok). Summed over ranks at the end.
+        # clipped replayed rows, replayed rows, clipped fresh rows, fresh rows, then the algorithm's
+        # own records (x rows). Summed over ranks at the end.
+        width = 8 + len(algorithm.records)
         micro_sums, grad_norms = [], []
         self.c.unet.train()
         micro = calls = passes = 0
@@ -206,7 +202,8 @@ class PolicyLearner:
                     if len(mine):
                         steps = chosen[mine, j]
                         z, ts, emb = batch.latents[rows, steps], batch.timesteps[rows, steps], batch.prompt_embeds[rows]
-                        if dpok:  # the pretrained model's step, before the policy's graph exists
+                        mean_pre = None
+                        if algorithm.uses_pretrained:  # the pretrained model's step, before the policy's graph exists
                             mean_pre = self.pretrained_step_mean(z, ts, emb)
                             forward_passes += len(rows)
                         logp, mean, std = self.step(z, ts, batch.latents[rows, steps + 1], emb)
@@ -214,29 +211,22 @@ class PolicyLearner:
                         # [n, K]: the credit's K advantage terms of each (row, step), times c * w(t)
                         step_adv = ((coef[mine, j] * w[steps])[:, None] * credit.step_advantages(batch, rows, steps)).to(logp.device)
                         old = old_logp[rows, steps].to(logp.device)
-                        if dpok:
-                            kl = gaussian_kl_equal_std(mean, mean_pre, std)
-                            loss, info = dpok_loss(logp, old, step_adv[:, 0], s.clip_range, kl, s.kl_coef, s.reward_scale,
-                                                   kl_weights=coef[mine, j])
-                        else:
-                            loss, info = ppo_clipped_loss(logp, old, step_adv[:, 0], s.clip_range)
-                            for term in range(1, step_adv.shape[1]):  # recast_loss: one clipped loss per reward
-                                loss = loss + ppo_clipped_loss(logp, old, step_adv[:, term], s.clip_range)[0]
+                        loss, info = algorithm.step_loss(StepContext(logp, old, step_adv, coef[mine, j], mean, std, s, mean_pre))
                         (loss * share / accum).backward()
                         clipped = ((torch.exp(logp - old) - 1).abs() > (s.clip_range or float("inf"))).double().cpu()
                         rep, n = is_replay[rows], len(rows)
                         micro_sums.append([n, loss.item() * n, info["approx_kl"].item() * n, info["clipfrac"].item() * n,
                                            clipped[rep].sum().item(), rep.sum().item(), clipped[~rep].sum().item(), (~rep).sum().item(),
-                                           info["kl_pretrained"].item() * n if dpok else 0.0])
+                                           *(info[r].item() * n for r in algorithm.records)])
                     else:
-                        micro_sums.append([0.0] * 9)
+                        micro_sums.append([0.0] * width)
                     if micro % accum == 0:
                         grad_norms.append(self._optimizer_step())
             if micro % accum:  # flush the remainder of this inner epoch
                 grad_norms.append(self._optimizer_step(scale=accum / (micro % accum)))
                 micro = 0
         self.c.unet.eval()
-        m = g.sum_(torch.tensor(micro_sums, dtype=torch.float64).reshape(-1, 9))
+        m = g.sum_(torch.tensor(micro_sums, dtype=torch.float64).reshape(-1, width))
         counts = g.sum_(torch.tensor([calls, passes, forward_passes, int(is_replay.sum())], dtype=torch.float64)).long().tolist()
         calls, passes, forward_passes, num_replayed = counts
         self.version += 1
@@ -252,12 +242,11 @@ class PolicyLearner:
                    timestep_weights=[round(x, 4) for x in w.tolist()], steps_trained=k, learner_calls=calls,
                    learner_passes=passes, learner_passes_total=self.passes_total, learner_forward_passes=forward_passes,
                    learner_s=time.perf_counter() - t_start, learners=g.world)
-        if dpok:
-            out["kl_pretrained"] = mean_of(8, 0)
+        out.update({r: mean_of(8 + i, 0) for i, r in enumerate(algorithm.records)})
         return out
 
     def _empty_update(self, t_start: float) -> dict:
-        """An update with no rows to train (b2diffurl: no branch group passed its thresholds)."""
+        """An update with no rows to train (the algorithm's train_rows kept none)."""
         self.version += 1
         nan = float("nan")
         return {"loss": nan, "approx_kl": nan, "clipfrac": nan, "clipfrac_replay": nan, "clipfrac_fresh": nan, "grad_norm": nan,

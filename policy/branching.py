@@ -156,7 +156,7 @@ def sample_branched(components, prompts: list[str], seeds: list[int], settings: 
 def sample_plan(components, plan: BatchPlan, settings: SamplingSettings, policy_version: int,
                 negative_embeds: torch.Tensor | None = None) -> TrajectoryBatch:
     """What a sampler runs for a planned batch: independent samples, or branch groups when the plan
-    says so (algorithm.name=b2diffurl). The reference loop and the sampler actors both call this."""
+    says so (the algorithm's branch_step). The reference loop and the sampler actors both call this."""
     if plan.branch_step is None:
         return sample_trajectories(components, plan.prompts, plan.seeds, settings, policy_version, plan.sample_ids,
                                    negative_embeds)

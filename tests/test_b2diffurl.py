@@ -9,7 +9,7 @@ import torch
 
 from diffrlhf.actors.reference_loop import run_reference
 from diffrlhf.actors.settings import branch_step, plan_for, train_rows
-from diffrlhf.buffer.epoch import branch_extremes
+from diffrlhf.learner.algorithms.b2diffurl import branch_extremes
 from diffrlhf.deploy.config import ConfigError, load_config
 from diffrlhf.learner.timesteps import backward_trained_steps, num_trained_steps, select_timesteps
 from diffrlhf.learner.update import PolicyLearner, UpdateSettings
@@ -173,10 +173,24 @@ def test_sample_plan_dispatches_on_the_plan(tiny, small_settings):
 
 def test_config_refuses_what_b2diffurl_cannot_run():
     with pytest.raises(ConfigError, match="samples_per_prompt"):
-        load_config("tiny", overrides=[*TINY, "algorithm.name=b2diffurl", "train.timestep_selection=backward"])
+        load_config("tiny", overrides=[*TINY, "algorithm.name=b2diffurl", "sample.samples_per_prompt=1"])
     with pytest.raises(ConfigError, match="must be 'backward'"):
-        load_config("tiny", overrides=[*TINY, "algorithm.name=b2diffurl", "sample.samples_per_prompt=2"])
+        load_config("tiny", overrides=[*TINY, "algorithm.name=b2diffurl", "train.timestep_selection=random"])
     with pytest.raises(ConfigError, match="b2_neg_threshold"):
         load_config("tiny", overrides=[*TINY, *B2, "algorithm.b2_neg_threshold=0.6"])
     # backward progressive training alone (no branching) is a valid ablation
     assert branch_step(load_config("tiny", overrides=[*TINY, "train.timestep_selection=backward"]), 0) is None
+
+
+def test_b2diffurl_alone_brings_its_defaults_as_their_own_layer():
+    """algorithm.name=b2diffurl alone loads (its defaults: 4 branches, backward from 0.7, group
+    advantages), a preset, file or override still wins over them, and `config show` names the layer."""
+    from diffrlhf.deploy.config import resolve_config
+
+    cfg, sources = resolve_config("tiny", None, ["algorithm.name=b2diffurl"])
+    assert (cfg.sample.samples_per_prompt, cfg.train.timestep_selection, cfg.train.timestep_fraction, cfg.advantage.mode) == \
+        (4, "backward", 0.7, "group")
+    assert {sources[k] for k in ("sample.samples_per_prompt", "train.timestep_selection", "advantage.mode")} == {"algorithm b2diffurl"}
+    cfg, sources = resolve_config("tiny", None, ["algorithm.name=b2diffurl", "sample.samples_per_prompt=2"])
+    assert cfg.sample.samples_per_prompt == 2 and sources["sample.samples_per_prompt"] == "override"
+    assert resolve_config("tiny", None, [])[0].sample.samples_per_prompt == 1  # ddpo brings none

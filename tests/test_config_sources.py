@@ -13,6 +13,7 @@ from diffrlhf.buffer import advantages, replay
 from diffrlhf.buffer.credit import RECAST_MODES
 from diffrlhf.deploy import config
 from diffrlhf.keys import KEYS
+from diffrlhf.learner import algorithms
 from research.bench import study
 from diffrlhf.deploy.config import Config, ConfigError, flatten, load_config
 from diffrlhf.learner import timesteps, weighting
@@ -46,8 +47,12 @@ def test_the_implementing_modules_vocabularies_are_the_key_tables():
     expected = {"model.dtype": models.DTYPES, "model.device": models.DEVICES, "reward.nan_policy": NAN_POLICIES,
                 "advantage.mode": advantages.MODES, "weighting.scheme": weighting.SCHEMES, "replay.mode": replay.MODES,
                 "replay.logprob_mode": LOGPROB_MODES, "train.timestep_selection": timesteps.SELECTIONS,
-                "algorithm.name": ALGORITHMS, "recast.mode": RECAST_MODES}
+                "recast.mode": RECAST_MODES}
     assert {k for k, key in KEYS.items() if key.choices is not None} == expected.keys()
+    # algorithm.name: the registered algorithms (learner/algorithms), which the config checks against
+    assert ALGORITHMS == algorithms.names() == ("ddpo", "dpok", "b2diffurl")
+    with pytest.raises(ConfigError, match="'algorithm.name': value 'ppo' is not allowed; choose one of ddpo, dpok, b2diffurl"):
+        load_config(None, overrides=["algorithm.name=ppo"])
     for key, allowed in expected.items():
         assert KEYS[key].choices is allowed, f"{key}: the module restates its allowed values instead of reading the table"
     # ... and the study's suites cover exactly them

@@ -12,7 +12,8 @@ import torch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
 from diffrlhf.deploy.config import ConfigError, load_config
 from diffrlhf.learner.lora import adapter_disabled, lora_tensors
-from diffrlhf.learner.loss import dpok_loss, gaussian_kl_equal_std, ppo_clipped_loss
+from diffrlhf.learner.algorithms.dpok import dpok_loss
+from diffrlhf.learner.loss import gaussian_kl_equal_std, ppo_clipped_loss
 from diffrlhf.learner.update import ALGORITHMS, PolicyLearner, UpdateSettings
 from diffrlhf.policy.ddim import guided_noise_pred
 from diffrlhf.policy.sampler import sample_trajectories

@@ -23,9 +23,11 @@ BASE = ["sample.num_steps=6", "sample.resolution=32", "sample.batch_size=4", "sa
 RUNS = {
     "ddpo": [],
     "dpok": ["algorithm.name=dpok", "algorithm.kl_coef=0.1"],
-    # thresholds low enough that branch groups pass them: rows are trained (steps_trained > 0)
+    # thresholds low enough that branch groups pass them: rows are trained (steps_trained > 0); every
+    # key its own defaults set is given, so the config is the one these numbers were made with
     "b2diffurl": ["algorithm.name=b2diffurl", "train.timestep_selection=backward", "sample.samples_per_prompt=2",
-                  "advantage.mode=group", "algorithm.b2_pos_threshold=0.1", "algorithm.b2_neg_threshold=-0.1"],
+                  "advantage.mode=group", "algorithm.b2_pos_threshold=0.1", "algorithm.b2_neg_threshold=-0.1",
+                  "train.timestep_fraction=1"],
     "hardmine_latent_sq": ["replay.mode=hardmine", "replay.k=2", "weighting.scheme=latent_sq"],
 }
 HELD = ["reward_mean", "reward_std", "loss", "approx_kl", "clipfrac", "grad_norm", "kl_pretrained", "samples_trained",
