@@ -157,4 +157,4 @@ def test_a_package_reward_actor_killed_mid_batch_loses_no_sample(built, cli_env,
     assert marker.read_text() == "-1"  # it did die mid-batch
     assert [r["reward_mean"] for r in killed_records] == [r["reward_mean"] for r in plain_records]
     assert [r["reward_queries"] for r in killed_records] == [r["reward_queries"] for r in plain_records]
-    assert killed_records[-1]["reward_queries_lost"] > 0  # the half-scored batch was redone
+    assert killed_records[-1]["score_retries"] >= 1 and killed_records[-1]["actor_deaths"] >= 1  # the half-scored batch was redone
