@@ -417,7 +417,9 @@ def resource_problems(requests: dict, total: dict, nodes: list[dict]) -> list[st
                 flagged.add(res)
     for res in ("CPU", "GPU"):
         if need[res] > total.get(res, 0) + 1e-9 and res not in flagged:
-            parts = ", ".join(f"{role} {n * ask.get(res, 0):g}" for role, (n, ask) in requests.items() if ask.get(res))
+            asking = [(role, n, ask[res]) for role, (n, ask) in requests.items() if ask.get(res)]
+            parts = ", ".join(f"{n} {role}{'s' * (n > 1)} x {per:g} = {n * per:g}" for role, n, per in asking)
+            keys = [_key(role, res) for role, _, _ in asking] + [_COUNT_KEY[role] for role, n, _ in asking if role in _COUNT_KEY and n > 1]
             problems.append(f"all roles together ask {need[res]:g} {res} ({parts}), the cluster has {total.get(res, 0):g} {res}; "
-                            f"lower system.*_{res.lower()}s or the actor counts")
+                            f"lower {', '.join(dict.fromkeys(keys))}")
     return problems

@@ -44,6 +44,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def load_cfg(args):
     from diffrlhf.deploy.config import apply_overrides, config_from_dict, load_config, parse_override, validate
     from diffrlhf.deploy.preflight import InputError
+    from diffrlhf.deploy.runlog import resume_overrides
 
     if getattr(args, "resume", None):
 
@@ -51,8 +52,8 @@ def load_cfg(args):
         if not path.exists():
             raise InputError(f"--resume {args.resume}: no config.yaml there; give a run folder (runs/<name>)")
         cfg = config_from_dict(yaml.safe_load(path.read_text()))
-        for o in args.overrides:
-            apply_overrides(cfg, parse_override(o))
+        for o in [*(o for earlier in resume_overrides(args.resume) for o in earlier), *args.overrides]:
+            apply_overrides(cfg, parse_override(o))  # config.yaml as the run started, then each resume's overrides
         cfg = validate(cfg)
         cfg.run.out_dir, cfg.run.name = str(Path(args.resume).parent), Path(args.resume).name
         return cfg
@@ -74,10 +75,10 @@ def cmd_train(args) -> int:
 
     cfg = load_cfg(args)
     preflight(cfg)
-    # A resume is verified before RunLogger rewrites config.yaml and opens tb/: a failed one changes nothing.
+    # A resume is verified before RunLogger records its overrides and opens tb/: a failed one changes nothing.
     state = load_checkpoint(args.resume) if args.resume else None
     run_dir = Path(args.resume) if args.resume else make_run_dir(cfg)
-    logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard)
+    logger = RunLogger(run_dir, cfg, tensorboard=cfg.run.tensorboard, resume_overrides=list(args.overrides) if args.resume else None)
     print(f"[diffrlhf] run folder: {run_dir}")
     if state is not None:
         print(f"[diffrlhf] {resume_line(state, logger.records, cfg.train.epochs)}")

@@ -213,12 +213,19 @@ def _looks_numeric(s: str) -> bool:
 
 
 def _load_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a YAML file (config sections, e.g. train: {{lr: 0.001}})")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except (PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}: {e})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"config file {where}: not valid YAML: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     return data

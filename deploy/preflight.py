@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from diffrlhf.actors.scheduler import local_resources, resource_problems, role_requests
 from diffrlhf.actors.settings import reward_runtime_env
 from diffrlhf.policy.models import ModelNotFoundError, resolve_model
 from diffrlhf.policy.prompts import load_prompts
-from diffrlhf.rewards import (MissingWeightsError, RewardContractError, RewardSpecError, check_spec, custom_names, package_reward_names,
+from diffrlhf.rewards import (MissingWeightsError, NonFiniteTrialError, RewardContractError, RewardSpecError, check_spec, custom_names, package_reward_names,
                               trial_call, uses_prompts)
 from diffrlhf.rewards import check_prompts as check_reward_reads_prompts
 from diffrlhf.rewards.hpsv2 import find_weights as find_hpsv2_weights
@@ -111,9 +113,14 @@ def check_custom_reward_output(cfg, prompts: list[str]) -> list[str]:
         return []
     try:
         trial_call(cfg.reward.spec, prompts, cfg.sample.resolution)
-    except RewardContractError as e:
-        if cfg.reward.nan_policy == "drop" and "non-finite" in str(e):
+    except NonFiniteTrialError as e:
+        if cfg.reward.nan_policy == "drop" and np.isfinite(e.values).any():
             return [f"reward.spec: {e}"]
+        if cfg.reward.nan_policy == "drop":  # dropping every sample trains on nothing: say so before Ray
+            raise RewardInputError(f"reward.spec={cfg.reward.spec}: scored nothing finite on the {len(e.values)} test images "
+                                   f"({e.values.tolist()}), so reward.nan_policy=drop would drop every sample; fix the reward") from None
+        raise RewardInputError(f"reward.spec={cfg.reward.spec}: {e}") from None
+    except RewardContractError as e:
         raise RewardInputError(f"reward.spec={cfg.reward.spec}: {e}") from None
     return []
 

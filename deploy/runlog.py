@@ -1,7 +1,8 @@
 """The run folder: config, metrics (JSON lines + TensorBoard), reward curve, image grids, checkpoints.
 
     runs/<name>/
-      config.yaml            the exact config used
+      config.yaml            the config the run started with
+      resumes.yaml           each resume's overrides, in order (applied over config.yaml)
       metrics.jsonl          one JSON object per epoch
       tb/                    TensorBoard scalars (same numbers)
       reward_curve.png       mean reward (+/- s.e.) against reward queries
@@ -43,11 +44,27 @@ def make_run_dir(cfg) -> Path:
     return path
 
 
+RESUMES = "resumes.yaml"  # beside config.yaml: each resume's overrides, in order (config.yaml stays as the run started)
+
+
+def resume_overrides(run_dir: str | Path) -> list[list[str]]:
+    """The overrides of each earlier resume of a run, oldest first."""
+    path = Path(run_dir) / RESUMES
+    return [entry["overrides"] for entry in (yaml.safe_load(path.read_text()) or [])] if path.exists() else []
+
+
 class RunLogger:
-    def __init__(self, run_dir: str | Path, cfg=None, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, cfg=None, tensorboard: bool = True, resume_overrides: list[str] | None = None):
+        """cfg: written as config.yaml for a new run. resume_overrides (a resume): config.yaml is left
+        as the run started, and these overrides are appended to resumes.yaml beside it."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        if cfg is not None:
+        if resume_overrides is not None and (self.dir / "config.yaml").exists():
+            path = self.dir / RESUMES
+            entries = (yaml.safe_load(path.read_text()) or []) if path.exists() else []
+            entries.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "overrides": list(resume_overrides)})
+            path.write_text(yaml.safe_dump(entries, sort_keys=False))
+        elif cfg is not None:
             (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.records = self._read_existing()
         self.tb = None

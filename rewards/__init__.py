@@ -381,6 +381,14 @@ def custom_names(spec: Spec) -> list[str]:
     return [name] if ":" in name else []
 
 
+class NonFiniteTrialError(RewardContractError):
+    """trial_call's test images got NaN/inf scores; `values` holds them."""
+
+    def __init__(self, message: str, values):
+        super().__init__(message)
+        self.values = np.asarray(values, dtype=np.float64)
+
+
 def trial_call(spec: Spec, prompts: list[str], resolution: int, n: int = 2) -> None:
     """Build the reward and score n test images (mid-grey plus noise, fixed seed) with the first
     prompts, so a custom reward that breaks the contract (strings, NaN/inf, a wrong length) fails
@@ -396,8 +404,8 @@ def trial_call(spec: Spec, prompts: list[str], resolution: int, n: int = 2) -> N
     except Exception as e:
         raise RewardContractError(f"reward {spec_name(spec)!r} failed on {n} test images ({type(e).__name__}: {e}); {CONTRACT}") from e
     if not np.isfinite(out).all():
-        raise RewardContractError(f"reward {spec_name(spec)!r} returned non-finite values {out.tolist()} for {n} test images; {CONTRACT} "
-                                  "(finite; reward.nan_policy=drop drops occasional NaN/inf in a run)")
+        raise NonFiniteTrialError(f"reward {spec_name(spec)!r} returned non-finite values {out.tolist()} for {n} test images; {CONTRACT} "
+                                  "(finite; reward.nan_policy=drop drops occasional NaN/inf in a run)", out)
 
 
 def check_prompts(spec: Spec, prompts: list[str]) -> None:

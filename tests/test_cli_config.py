@@ -273,3 +273,24 @@ def test_yaml_boolean_words_stay_words_for_string_keys():
     assert load_config("tiny", overrides=["system.colocate=false"]).system.colocate is False
     with pytest.raises(ConfigError, match="system.colocate"):
         load_config("tiny", overrides=["system.colocate=no"])  # a bool key takes true/false, said by name
+
+
+def test_a_resume_keeps_the_runs_config_and_writes_its_overrides_beside_it(tmp_path):
+    """config.yaml stays as the run started; each resume's overrides go to resumes.yaml, and a later
+    resume applies them in order before its own."""
+    import argparse
+
+    from diffrlhf.deploy.cli import load_cfg
+    from diffrlhf.deploy.runlog import RunLogger
+
+    run = tmp_path / "r"
+    RunLogger(run, load_config("tiny", overrides=["train.epochs=2"]), tensorboard=False)
+    started = (run / "config.yaml").read_bytes()
+    args = argparse.Namespace(resume=str(run), overrides=["train.epochs=4"])
+    cfg = load_cfg(args)
+    RunLogger(run, cfg, tensorboard=False, resume_overrides=args.overrides)
+    assert (run / "config.yaml").read_bytes() == started and cfg.train.epochs == 4
+    assert [e["overrides"] for e in yaml.safe_load((run / "resumes.yaml").read_text())] == [["train.epochs=4"]]
+    again = load_cfg(argparse.Namespace(resume=str(run), overrides=[]))  # the earlier resume's override still holds
+    assert again.train.epochs == 4 and (again.run.out_dir, again.run.name) == (str(tmp_path), "r")
+    assert load_cfg(argparse.Namespace(resume=str(run), overrides=["train.epochs=6"])).train.epochs == 6

@@ -41,6 +41,9 @@ def no_start(monkeypatch, tmp_path):
         def nans(images, prompts):
             return np.full(len(images), np.nan)
 
+        def half_nans(images, prompts):
+            return np.where(np.arange(len(images)) % 2, np.nan, 1.0)
+
         def raises(images, prompts):
             raise KeyError("score")
     """))
@@ -142,3 +145,32 @@ def test_warnings_are_printed_once_at_start(no_start, capsys):
     preflight(load_config("tiny", overrides=["replay.mode=random", "replay.max_epochs=1", "replay.k=100"]))
     err = capsys.readouterr().err
     assert err.count("[diffrlhf] warning: replay.k=100") == 1
+
+
+def test_a_reward_that_scores_nothing_finite_is_refused_before_ray_even_when_dropping(no_start, capsys):
+    """nan_policy=drop drops occasional NaN/inf; a reward with no finite score on the preflight
+    images would drop every sample, so it is refused (exit 2) instead of failing in Ray later."""
+    ray = pytest.importorskip("ray")
+    from diffrlhf.deploy.cli import main
+
+    ray.shutdown()
+    code = main(["train", "reward.spec=my_bad_reward:nans", "reward.nan_policy=drop", f"run.out_dir={no_start}/runs"])
+    err = capsys.readouterr().err
+    assert code == 2 and "scored nothing finite on the 2 test images" in err and "drop every sample" in err
+    assert not ray.is_initialized() and not (no_start / "runs").exists()
+    warnings = check_run_inputs(load_config("tiny", overrides=["reward.spec=my_bad_reward:half_nans", "reward.nan_policy=drop"]))
+    assert any("returned non-finite values [1.0, nan]" in w for w in warnings)  # some finite: a warning
+
+
+def test_a_bad_config_file_is_one_line_naming_the_file(no_start, capsys):
+    from diffrlhf.deploy.cli import main
+
+    code = main(["train", "--config", str(no_start)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"error: config file {no_start} is a directory; give a YAML file (config sections, e.g. train: {{lr: 0.001}})"
+    bad = no_start / "bad.yaml"
+    bad.write_text("train:\n  lr: 0.1\n  epochs: [1, 2\n")
+    code = main(["train", "--config", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: config file {bad}:4:1: not valid YAML: ") and len(err.splitlines()) == 1, err
+    assert "<unicode string>" not in err

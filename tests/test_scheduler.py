@@ -255,7 +255,8 @@ def test_resource_check_names_the_role_the_keys_and_the_cluster():
     big = role_requests(load_config("tiny", overrides=["system.learner_gpus=2"]))
     assert "the largest node has 1 GPU" in resource_problems(big, {"CPU": 16.0, "GPU": 2.0}, [{"CPU": 8.0, "GPU": 1.0}] * 2)[0]
     crowded = resource_problems(role_requests(cfg), {"CPU": 2.0, "GPU": 2.0}, [{"CPU": 2.0, "GPU": 2.0}])
-    assert len(crowded) == 1 and crowded[0].startswith("all roles together ask 3.5 CPU (sampler 2, reward 0.5, learner 1)")
+    assert crowded == ["all roles together ask 3.5 CPU (2 samplers x 1 = 2, 1 reward x 0.5 = 0.5, 1 learner x 1 = 1), the cluster "
+                       "has 2 CPU; lower system.sampler_cpus, system.reward_cpus, system.learner_cpus, system.num_samplers"]
     roles = role_requests(load_config("tiny", overrides=["system.use_role_resources=true"]))
     missing = resource_problems(roles, {"CPU": 16.0, "sampler": 1.0}, [{"CPU": 16.0, "sampler": 1.0}])
     assert [p.split(":")[0] for p in missing] == ["reward", "learner", "buffer"]

@@ -140,7 +140,7 @@ def test_colocated_preset_fits_four_one_gpu_nodes_and_not_three():
     assert resource_problems(req, {"CPU": 32.0, "GPU": 4.0}, [node] * 4) == []
     assert resource_problems(req, {"CPU": 16.0, "GPU": 4.0}, [{"CPU": 16.0, "GPU": 4.0}]) == []  # one 4-GPU node
     problems = resource_problems(req, {"CPU": 24.0, "GPU": 3.0}, [node] * 3)
-    assert len(problems) == 1 and "all roles together ask 4 GPU (sampler 2, learner 2), the cluster has 3 GPU" in problems[0]
+    assert len(problems) == 1 and "all roles together ask 4 GPU (4 samplers x 0.5 = 2, 4 learners x 0.5 = 2), the cluster has 3 GPU" in problems[0]
     # the same optimizer step as sd15-ddpo: 64 samples, 4 steps per epoch of 256
     ddpo = load_config("sd15-ddpo")
     assert cfg.train.batch_size * cfg.train.grad_accum_steps == ddpo.train.batch_size * ddpo.train.grad_accum_steps == 64
