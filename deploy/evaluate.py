@@ -7,6 +7,7 @@ A run's LoRA folders are stock diffusers LoRA folders, loaded here exactly as a 
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 import yaml
 
 from diffrlhf.actors.settings import sampling_settings
-from diffrlhf.policy.models import SDComponents, resolve_model
+from diffrlhf.policy.models import SDComponents, quiet_loading, resolve_model
 from diffrlhf.policy.prompts import load_prompts
 from diffrlhf.policy.sampler import sample_trajectories
 from diffrlhf.rewards import build_reward
@@ -45,11 +46,12 @@ def lora_folder(run_dir: Path, which: str = "latest") -> Path:
 
 
 def load_pipeline(cfg, device: str = "cpu"):
-    from diffusers import StableDiffusionPipeline
-
     folder = resolve_model(cfg.model.name)
-    pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False,
-                                                   torch_dtype=getattr(torch, cfg.model.dtype))
+    with quiet_loading():
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False,
+                                                       dtype=getattr(torch, cfg.model.dtype))
     pipe.tokenizer = load_tokenizer_folder(folder / "tokenizer")  # model_max_length=77 (transformers 5 trap)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -71,7 +73,8 @@ def sample_base_and_lora(run_dir, prompts: list[str], n_per_prompt: int = 2, whi
     ps = [p for p in prompts for _ in range(n_per_prompt)]
     seeds = [seed + i for i in range(len(ps))]
     base = sample_trajectories(comps, ps, seeds, settings, 0, list(range(len(ps))))
-    pipe.load_lora_weights(str(lora_folder(run_dir, which)))
+    with quiet_loading():  # a UNet-only LoRA: diffusers notes the text encoder has no keys
+        pipe.load_lora_weights(str(lora_folder(run_dir, which)))
     tuned = sample_trajectories(comps, ps, seeds, settings, 1, list(range(len(ps))))
     return base, tuned, ps
 
@@ -93,18 +96,26 @@ def cmd_sample(run_dir, prompts_source: str, out: str | None, n: int, which: str
     return out
 
 
-def clip_score(images: np.ndarray, prompts: list[str], clip_path: str | None) -> float | None:
-    """Mean CLIP image-text cosine x 100, when CLIP weights are on this machine; else None."""
+@functools.lru_cache(maxsize=2)
+def _clip(name: str):
+    """CLIP from a local folder or the HF cache, loaded once per name; None (said once) when absent."""
     from transformers import CLIPModel, CLIPTokenizer
 
-    name = clip_path or "openai/clip-vit-large-patch14"
     try:
-        model = CLIPModel.from_pretrained(name, local_files_only=True).eval()
-        tok = CLIPTokenizer.from_pretrained(name, local_files_only=True)
+        with quiet_loading():
+            return CLIPModel.from_pretrained(name, local_files_only=True).eval(), CLIPTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as e:
         print(f"[diffrlhf] CLIP score skipped: no CLIP weights at {name!r} on this machine ({type(e).__name__}); "
               "pass --clip PATH to a local CLIP folder")
         return None
+
+
+def clip_score(images: np.ndarray, prompts: list[str], clip_path: str | None) -> float | None:
+    """Mean CLIP image-text cosine x 100, when CLIP weights are on this machine; else None."""
+    loaded = _clip(clip_path or "openai/clip-vit-large-patch14")
+    if loaded is None:
+        return None
+    model, tok = loaded
 
     with torch.no_grad():
         pix = clip_preprocess(images, model.config.vision_config.image_size)
@@ -138,11 +149,18 @@ def cmd_eval(run_dir, which: str = "latest", n: int = 4, clip: str | None = None
 
 
 def format_table(result: dict) -> str:
-    lines = ["split    | samples | reward base | reward LoRA | gain (± s.e.)      | CLIP base | CLIP LoRA",
-             "---------|---------|-------------|-------------|--------------------|-----------|----------"]
+    head = ["split", "samples", "reward base", "reward LoRA", "gain (± s.e.)", "CLIP base", "CLIP LoRA"]
+    rows = []
     for split, r in result["splits"].items():
-        cb = "n/a" if r["clip_base"] is None else f"{r['clip_base']:.2f}"
-        cl = "n/a" if r["clip_lora"] is None else f"{r['clip_lora']:.2f}"
-        lines.append(f"{split:<8} | {r['samples']:>7} | {r['reward_base']:>11.4f} | {r['reward_lora']:>11.4f} | "
-                     f"{r['reward_gain']:+.4f} ± {r['reward_gain_se']:.4f} | {cb:>9} | {cl:>8}")
+        rows.append([split, str(r["samples"]), f"{r['reward_base']:.4f}", f"{r['reward_lora']:.4f}",
+                     f"{r['reward_gain']:+.4f} ± {r['reward_gain_se']:.4f}",
+                     "n/a" if r["clip_base"] is None else f"{r['clip_base']:.2f}",
+                     "n/a" if r["clip_lora"] is None else f"{r['clip_lora']:.2f}"])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    left = {0, 4}  # text left, numbers right
+
+    def line(cells):
+        return " | ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    lines = [line(head), "-|-".join("-" * w for w in widths)] + [line(r) for r in rows]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ there is no silent fallback to the tiny model.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,15 +117,37 @@ def resolve_model(spec: str) -> Path:
         ) from None
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """diffusers' and transformers' chatter while a model loads (progress bars, transformers' note that
+    torchvision is absent, diffusers' "No LoRA keys ... text_encoder" for a UNet-only LoRA): none of it
+    concerns the user. Errors still show; the libraries' settings are restored afterwards."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    levels = dlog.get_verbosity(), tlog.get_verbosity()
+    bars = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
+    dlog.set_verbosity_error(), tlog.set_verbosity_error(), dlog.disable_progress_bar(), tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(levels[0]), tlog.set_verbosity(levels[1])
+        if bars[0]:
+            dlog.enable_progress_bar()
+        if bars[1]:
+            tlog.enable_progress_bar()
+
+
 def load_components(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> SDComponents:
     """Load UNet, VAE, text encoder, tokenizer and a DDIM scheduler from a model spec."""
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel
 
     folder = resolve_model(spec)
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtype)
-    text_encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", torch_dtype=dtype)
+    with quiet_loading():
+        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", dtype=dtype)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", dtype=dtype)
+        text_encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", dtype=dtype)
     tokenizer = load_tokenizer_folder(folder / "tokenizer")
     # Always DDIM (the MDP's policy), configured from the model's own scheduler config.
     scheduler = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")

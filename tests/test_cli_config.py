@@ -294,3 +294,31 @@ def test_a_resume_keeps_the_runs_config_and_writes_its_overrides_beside_it(tmp_p
     again = load_cfg(argparse.Namespace(resume=str(run), overrides=[]))  # the earlier resume's override still holds
     assert again.train.epochs == 4 and (again.run.out_dir, again.run.name) == (str(tmp_path), "r")
     assert load_cfg(argparse.Namespace(resume=str(run), overrides=["train.epochs=6"])).train.epochs == 6
+
+
+@pytest.mark.integration
+def test_eval_and_sample_print_only_what_was_asked_aligned(tmp_path, tiny):
+    """No library chatter (progress bars, transformers' torchvision note, diffusers' FutureWarning,
+    "No LoRA keys"), the missing CLIP said once, the table's columns aligned."""
+    import subprocess
+    import sys
+
+    from diffrlhf.learner.lora import add_lora, save_lora
+
+    cfg = load_config("tiny", overrides=["model.name=tiny-random", "sample.num_steps=2", "sample.resolution=32",
+                                         "prompts.train=simple_animals", "prompts.eval=eval_simple_animals"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    add_lora(tiny.unet, rank=4)
+    save_lora(tiny.unet, run / "lora" / "epoch_0001")
+    for args in (["eval", "--run", str(run), "--n", "1", "--clip", str(tmp_path / "no-clip")], ["sample", "--run", str(run), "--n", "1"]):
+        done = subprocess.run([sys.executable, "-m", "diffrlhf.deploy.cli", *args], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+        out = done.stdout.splitlines()
+        if args[0] == "eval":
+            assert sum("CLIP score skipped" in ln for ln in out) == 1
+            table = [ln for ln in out if "|" in ln]
+            assert len(table) == 4 and len({tuple(i for i, c in enumerate(ln) if c == "|") for ln in table}) == 1, table
+        else:
+            assert len(out) == 1 and out[0].startswith("[diffrlhf] grid")
