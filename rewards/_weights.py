@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import quote
 from typing import Iterable, Sequence
 
 def cache_dir() -> Path:
@@ -25,8 +26,8 @@ class MissingWeightsError(FileNotFoundError):
     def __init__(self, reward: str, filename: str = "", searched: Sequence[str] = (), hint: str | None = None):
         self.reward, self.filename, self.searched, self.hint = reward, filename, list(searched), hint
         # One line: the CLI prints errors as one line.
-        self.message = (f"reward {reward!r}: weight file {filename!r} not found (runs never download); looked in: "
-                        f"{'; '.join(self.searched) or 'nowhere'}. Get it with `diffrlhf fetch-weights {reward}`, or pass a local "
+        self.message = (f"reward {reward!r}: weight file {filename!r} not found (runs never download); looked in "
+                        f"{_places(self.searched, filename) or 'nowhere'}. Get it with `diffrlhf fetch-weights {reward}`, or pass a local "
                         f"path in the reward spec, e.g. {{'name': '{reward}', 'weights': '/path/to/{filename}'}}"
                         + (f". {hint}" if hint else ""))
         super().__init__(self.message)
@@ -38,6 +39,22 @@ class MissingWeightsError(FileNotFoundError):
 
     def __reduce__(self):
         return (type(self), (self.reward, self.filename, self.searched, self.hint))
+
+
+def _places(searched: Sequence[str], filename: str) -> str:
+    """The searched places, short: the folders searched for `filename` each once (its URL-quoted
+    form is the same place), a path the user named in full, then the Hugging Face cache's repos.
+    The full list stays in `.searched`."""
+    folders, repos = [], []
+    for entry in searched:
+        if entry.startswith("Hugging Face cache: "):
+            repos.append(entry.removeprefix("Hugging Face cache: ").split(" (HF_HOME=")[0].rsplit("/", 1)[0])
+        else:
+            folders.append(str(Path(entry).parent) if Path(entry).name in (filename, quote(filename)) else entry)
+    text = ", ".join(dict.fromkeys(folders))
+    if repos:
+        text += (" and " if text else "") + f"the Hugging Face cache ({', '.join(dict.fromkeys(repos))}; HF_HOME)"
+    return text
 
 
 def hf_cached_file(repo_id: str, filename: str, searched: list[str]) -> str | None:

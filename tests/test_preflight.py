@@ -174,3 +174,13 @@ def test_a_bad_config_file_is_one_line_naming_the_file(no_start, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"error: config file {bad}:4:1: not valid YAML: ") and len(err.splitlines()) == 1, err
     assert "<unicode string>" not in err
+
+
+def test_a_missing_weight_file_names_each_folder_once(no_start):
+    """Each folder searched once (the file's URL-quoted name is the same place), not every path:
+    the aesthetic message was 805 characters listing six paths in three folders."""
+    with pytest.raises(InputError) as e:
+        check_run_inputs(load_config("tiny", overrides=["reward.spec=aesthetic"]))
+    msg = str(e.value)
+    assert "%2B" not in msg and msg.count("/aesthetic,") + msg.count("/aesthetic ") >= 1 and len(msg) < 520, (len(msg), msg)
+    assert "the Hugging Face cache (camenduru/improved-aesthetic-predictor; HF_HOME)" in msg
