@@ -173,7 +173,7 @@ def tracker_warnings(cfg, num_prompts: int) -> list[str]:
             f"prompts.train give a prompt about {per_prompt:.1f} rewards in {cfg.train.epochs} epochs, fewer than "
             f"advantage.min_count={a.min_count}: the run normalises by the batch's mean and std throughout (DDPO's "
             "fallback), and on a prompt-dependent reward those advantages mostly rank prompts, not samples "
-            "(RESULTS.md 14). Use advantage.mode=group with sample.samples_per_prompt >= 2, or a lower advantage.min_count."]
+            "(RESULTS.md, \"Does per-step weighting beat DDPO\"). Use advantage.mode=group with sample.samples_per_prompt >= 2, or a lower advantage.min_count."]
 
 
 def long_prompts(prompts: list[str]) -> list[str]:

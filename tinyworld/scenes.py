@@ -22,7 +22,7 @@ from diffrlhf.rewards.tinyworld_alignment import (BACKGROUNDS, COLOURS, PALETTE,
 # The vocabulary is stated once, in the reward that reads it (rewards sits below tinyworld in the
 # layers, so the renderer imports it from there). Its palette is the corners of the RGB cube: a blend
 # of two of them (a shape's antialiased edge, a blurry sample) is read as one of the two or as
-# neither, never as a third (RESULTS.md, section 2).
+# neither, never as a third (RESULTS.md, "What does the tiny world learn...?").
 COUNTS = [1, 2]
 # (colour, shape) pairs never drawn in training: one per colour, each shape twice.
 HELDOUT_PAIRS = {

@@ -18,7 +18,7 @@ failure keeps everything before it:
   reference  the single-process reference loop (actors/reference_loop.py) at SD1.5's size, random
              weights saved as a diffusers folder, 2 epochs of 16 samples, JPEG compressibility
 Ray cannot travel to the machine (its wheel is ~79 MB), so Ray's own overhead is measured on CPU
-(RESULTS 6). Sampling and update reuse research/bench/gpu.py's measurements.
+(RESULTS, "What does the distributed system cost?"). Sampling and update reuse research/bench/gpu.py's measurements.
 """
 from __future__ import annotations
 

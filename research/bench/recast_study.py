@@ -1,6 +1,6 @@
 """Does ReCAST move the two-reward front outward? (issue 60) The plan, its runs and their status.
 
-    python -m research.bench.recast_study plan      # the pre-registered plan and its digest (RESULTS 25)
+    python -m research.bench.recast_study plan      # the pre-registered plan and its digest (RESULTS, "Several rewards: does ReCAST move the front?")
     python -m research.bench.recast_study status    # done / left per method and weight, CPU hours left
     nohup python -m research.bench.recast_study run --jobs 2 --max-runs 12 > recast.log 2>&1 &   # a chunk
 

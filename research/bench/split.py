@@ -14,7 +14,7 @@ Per SD1.5 image (512 px, 50 DDIM steps, CFG), on one GPU:
      (research/results/systems/systems.json: update s/sample over sampling s/sample, all steps trained).
   R  reward: --rewards, in units of S (0, 0.1 S, 0.5 S).
 Overheads: B, the weight broadcast per policy version (every sampler loads it once per epoch; default
-the measured flat broadcast of the rank-4 LoRA to 16 actors, RESULTS 6); A(n), one gradient
+the measured flat broadcast of the rank-4 LoRA to 16 actors, the record's section 6); A(n), one gradient
 all-reduce per optimizer step over n ranks (ring: 2(n-1) latency steps + 2(n-1)/n x bytes / bus
 bandwidth, NVLink inside a node of --gpus-per-node, the network across nodes; the rank-4 LoRA's
 797,184 fp32 gradients = 3.2 MB); k optimizer steps per epoch of N samples (sd15-ddpo: N = 256, k = 4).
@@ -52,7 +52,7 @@ FORWARD_BACKWARD_TFLOP = 3.43  # the same call, forward + backward with LoRA gra
 STEPS = 50
 UPDATE_OVER_SAMPLE = FORWARD_BACKWARD_TFLOP / FORWARD_TFLOP  # 2.13: U / S at timestep_fraction 1
 SD15_LORA_RANK4_PARAMS = 797_184  # research/bench/systems.py sd15_lora_shapes(4) (tests/test_benchmarks.py checks it)
-FLAT_BROADCAST_16_S = 0.0518  # RESULTS 6: flat rank-4 broadcast to 16 actors, median, on the 2-core CPU machine
+FLAT_BROADCAST_16_S = 0.0518  # the record's section 6 (git show c1efc50:RESULTS.md): flat rank-4 broadcast to 16 actors, median, on the 2-core CPU machine
 PLACEMENTS = ("separate", "shared")
 LAYOUTS = ("disaggregated", "colocated_ddp", "colocated_ray")
 
