@@ -1,0 +1,70 @@
+"""A few of RESULTS' headline figures, recomputed from the result files they come from: the test
+fails if a figure and its file part (a file edited, deleted or rerun without the text following)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = (ROOT / "RESULTS.md").read_text()
+STUDY = ROOT / "research" / "results"
+
+
+def mean_se(xs) -> tuple[float, float]:
+    xs = np.asarray(xs, dtype=np.float64)
+    return float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(len(xs)))
+
+
+def net_rows(path: Path) -> dict[str, dict]:
+    return {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+
+
+def test_the_30_epoch_net_gains_are_the_drift_files():
+    """Section "Does per-step weighting beat DDPO": each variant's net gain (mean ± s.e. over its
+    seeds' per-seed nets) and its paired difference against DDPO, on both rewards."""
+    for path, column in ((STUDY / "study_long" / "drift_evidence_jpeg_compressibility.json", "JPEG"),
+                         (STUDY / "study_alignment_long" / "drift_evidence_tinyworld_alignment.json", "alignment")):
+        rows = net_rows(path)
+        ddpo = {s: v["net"] for s, v in rows["ddpo"]["per_seed"].items()}
+        for variant in ("ddpo", "ddim_std", "latent_sq", "latent_abs"):
+            nets = {s: v["net"] for s, v in rows[variant]["per_seed"].items()}
+            m, se = mean_se(list(nets.values()))
+            row = next(ln for ln in RESULTS.splitlines() if ln.startswith(f"| `{variant}`"))
+            assert f"{m:+.3f} ± {se:.3f}" in row, (column, variant, m, se, row)
+            if variant != "ddpo":
+                diff = float(np.mean([nets[s] - ddpo[s] for s in nets]))
+                assert f"{diff:+.3f} (" in row, (column, variant, diff, row)
+
+
+def test_the_first_runs_gains_are_their_metrics():
+    """Section "What does the tiny world learn": each seed's gain = mean of the last 3 epochs - epoch 0."""
+    for seed, text in ((0, "+0.176"), (1, "+0.202"), (2, "+0.466")):
+        records = [json.loads(ln) for ln in (STUDY / "first_run" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+        gain = np.mean([r["reward_mean"] for r in records[-3:]]) - records[0]["reward_mean"]
+        assert f"{gain:+.3f}" == text
+        assert f"| {seed} | {text} = " in RESULTS
+
+
+def test_the_reward_throughput_is_its_file():
+    """Section "What do the reward actors cost": images/s and GFLOP per image of each reward actor."""
+    rows = json.loads((STUDY / "rewards" / "throughput-packages-cpu2core.json").read_text())["results"]
+    for reward in ("imagereward", "imagereward_pkg", "hpsv2", "hpsv2_pkg"):
+        by_size = {r["size"]: r for r in rows if r["reward"] == reward}
+        line = next(ln for ln in RESULTS.splitlines() if ln.startswith(f"| `{reward}`"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == f"{by_size[64]['flops_per_image'] / 1e9:.1f}"
+        assert cells[3:5] == [f"{by_size[64]['images_per_s']:.2f}", f"{by_size[512]['images_per_s']:.2f}"], (reward, cells)
+
+
+def test_the_per_step_gradient_shares_are_the_measurement():
+    """Section "Why does ddim_std win": the last quarter's share of the gradient and the CV over steps."""
+    schemes = json.loads((STUDY / "step_gradients" / "step_gradients.json").read_text())["summary"]["schemes"]
+    text = " ".join(RESULTS.split())  # the section's sentences wrap
+    uniform, ddim_std = schemes["uniform"], schemes["ddim_std"]
+    assert f"the last quarter of the steps carries {100 * uniform['last_quarter_share'][0]:.0f}% of DDPO's gradient" in text
+    assert f"brings the last quarter to {100 * ddim_std['last_quarter_share'][0]:.0f}% (CV over steps " \
+           f"{ddim_std['cv'][0]:.2f} against {uniform['cv'][0]:.2f})" in text
+    assert f"vary {uniform['max_over_min'][0]:.0f}-fold" in text
