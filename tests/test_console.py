@@ -53,7 +53,7 @@ def test_an_error_is_one_line_with_a_pointer_to_the_rest():
 
 
 def test_ray_actor_death_text_is_cut_to_its_cause():
-    from diffrlhf.actors.driver import _actor_death
+    from diffrlhf.actors.ray_errors import actor_death as _actor_death
 
     oom = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
            "The leased worker has unrecoverable failure. Worker is requested to be destroyed when it is returned. "
