@@ -96,7 +96,7 @@ def test_role_nodes_a_learner_group_across_nodes_and_a_removed_sampler_node_losi
             assert time.time() < deadline, "sampler-0 never started its epoch-2 call"
             time.sleep(0.2)
         victim_id = marker.read_text()
-        seen["learner_nodes"] = set(placement_group_table(driver.learner_pg)["bundles_to_node_id"].values())
+        seen["learner_nodes"] = set(placement_group_table(driver.placement.learner_pg)["bundles_to_node_id"].values())
         others = driver.learners + driver.samplers[1:] + driver.rewards + [driver.buffer]
         seen["stats"] = ray.get([a.stats.remote() for a in others]) + [{"role": "sampler-0", "node_id": victim_id}]
         victim = next(n for n in c.list_all_nodes() if n.node_id == victim_id)
