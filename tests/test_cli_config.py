@@ -297,7 +297,7 @@ def test_a_resume_keeps_the_runs_config_and_writes_its_overrides_beside_it(tmp_p
 
 
 @pytest.mark.integration
-def test_eval_and_sample_print_only_what_was_asked_aligned(tmp_path, tiny):
+def test_eval_prints_only_what_was_asked_aligned(tmp_path, tiny):
     """No library chatter (progress bars, transformers' torchvision note, diffusers' FutureWarning,
     "No LoRA keys"), the missing CLIP said once, the table's columns aligned."""
     import subprocess
@@ -312,13 +312,11 @@ def test_eval_and_sample_print_only_what_was_asked_aligned(tmp_path, tiny):
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     add_lora(tiny.unet, rank=4)
     save_lora(tiny.unet, run / "lora" / "epoch_0001")
-    for args in (["eval", "--run", str(run), "--n", "1", "--clip", str(tmp_path / "no-clip")], ["sample", "--run", str(run), "--n", "1"]):
+    # eval loads everything sample does (the pipeline, the LoRA) and more (CLIP, the reward): one process
+    for args in (["eval", "--run", str(run), "--n", "1", "--clip", str(tmp_path / "no-clip")],):
         done = subprocess.run([sys.executable, "-m", "diffrlhf.deploy.cli", *args], capture_output=True, text=True, cwd=tmp_path)
         assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
         out = done.stdout.splitlines()
-        if args[0] == "eval":
-            assert sum("CLIP score skipped" in ln for ln in out) == 1
-            table = [ln for ln in out if "|" in ln]
-            assert len(table) == 4 and len({tuple(i for i, c in enumerate(ln) if c == "|") for ln in table}) == 1, table
-        else:
-            assert len(out) == 1 and out[0].startswith("[diffrlhf] grid")
+        assert sum("CLIP score skipped" in ln for ln in out) == 1
+        table = [ln for ln in out if "|" in ln]
+        assert len(table) == 4 and len({tuple(i for i, c in enumerate(ln) if c == "|") for ln in table}) == 1, table

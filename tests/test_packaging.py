@@ -104,6 +104,7 @@ def test_the_wheel_carries_everything_a_run_reads(installed):
     assert got["modules"] == len([p for p in (target / "diffrlhf").rglob("*.py")])
 
 
+@pytest.mark.slow  # CI checks the same after the suite (.ci/run: a fresh venv from the wheel trains 2 epochs outside the checkout)
 def test_the_installed_cli_runs_outside_the_checkout_and_its_base_model_loads_in_stock_diffusers(installed):
     wheel, target, tmp = installed
     outside = tmp / "run_here"
