@@ -99,8 +99,9 @@ class EpochScheduler:
     """State of one run's loop. Events return the tasks to start now; RunFailed when it cannot go on.
 
     Counters: reward_queries counts the queries behind the trained epochs (sample efficiency's
-    x-axis); reward_queries_total every query whose answer arrived; reward_queries_lost those of
-    epochs a stop threw away (a resumed run re-makes them; they are not in the total).
+    x-axis); reward_queries_total every query a reward actor answered and the driver received, the
+    queries paid for, re-done ones included; reward_queries_lost the part of that total whose epochs
+    a stop threw away (a resumed run re-makes them: over the whole run, total = trained + lost).
     """
 
     def __init__(self, epochs: int, batches_per_epoch: int, batch_size: int, num_samplers: int, num_rewards: int,
@@ -256,10 +257,10 @@ class EpochScheduler:
 
     def state_dict(self) -> dict:
         """What a resumed run needs: it restarts every untrained epoch from its first batch, so
-        the work done on those is lost; its queries are counted apart, not in the total."""
+        the work done on those is lost; its queries stay in the total (they were paid for) and are
+        counted in reward_queries_lost too (the part of the total that bought nothing)."""
         c = dict(self.counters)
         lost = sum(self.epoch_queries.values())
-        c["reward_queries_total"] -= lost
         c["reward_queries_lost"] += lost
         c["reward_dropped"] -= sum(self.rewards_dropped.values())
         c["batches_dropped"] -= sum(len(v) for v in self.dropped.values())

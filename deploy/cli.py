@@ -118,7 +118,7 @@ def resume_line(state: dict, records: list[dict], epochs: int) -> str:
     redo = (max(r["reward_queries"] for r in past) - before) if past else 0
     after = f" and {redo} of {len(past)} epoch(s) logged after it" if past else ""
     return (f"resuming at epoch {done} of {epochs} from the checkpoint; redone: {in_flight + redo} reward queries "
-            f"({in_flight} of the epochs unfinished at the checkpoint, counted apart as reward_queries_lost{after}), "
+            f"({in_flight} of the epochs unfinished at the checkpoint, in reward_queries_total and reward_queries_lost{after}), "
             "besides any the stop interrupted after the checkpoint")
 
 
@@ -191,8 +191,10 @@ def _summary(cfg, records, wall, run_dir, roles, this_session: int | None = None
     if records:
         a, b = records[0], records[-1]
         resumed = f" ({this_session} after the resume)" if this_session is not None and this_session < len(records) else ""
+        total, redone = b.get("reward_queries_total", b["reward_queries"]), b.get("reward_queries_lost", 0)
+        paid = f" ({total} answered in all, {redone} of them re-done after a stop)" if redone or total != b["reward_queries"] else ""
         print(f"[diffrlhf] {len(records)} epochs{resumed} in {wall:.1f}s; reward {a['reward_mean']:.4f} -> {b['reward_mean']:.4f} "
-              f"over {b['reward_queries']} reward queries")
+              f"over {b['reward_queries']} reward queries{paid}")
         line = summary_line(records, ddpo_band(cfg))  # the gain in standard errors, beside DDPO's committed band
         if line:
             print(f"[diffrlhf] {line}")

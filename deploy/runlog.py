@@ -137,7 +137,10 @@ class RunLogger:
         g = gain_summary(self.records)
         sub = f"\ngain (mean of last {g['epochs_averaged']} epochs - epoch 0): {g['gain']:+.3f} = {g['gain_in_se']:.1f} s.e." if g else ""
         ax.set_title((title or self.dir.name) + sub, fontsize=10)
-        ax.set_xlabel("reward queries")
+        last = self.records[-1]
+        redone = last.get("reward_queries_lost", 0)
+        ax.set_xlabel("reward queries of the trained epochs" + (f" ({last.get('reward_queries_total')} answered in all, "
+                                                                f"{redone} re-done after a stop)" if redone else ""))
         ax.set_ylabel("mean reward of the epoch's samples")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)  # below: never over a curve

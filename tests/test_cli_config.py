@@ -320,3 +320,19 @@ def test_eval_prints_only_what_was_asked_aligned(tmp_path, tiny):
         assert sum("CLIP score skipped" in ln for ln in out) == 1
         table = [ln for ln in out if "|" in ln]
         assert len(table) == 4 and len({tuple(i for i, c in enumerate(ln) if c == "|") for ln in table}) == 1, table
+
+
+def test_the_summary_says_the_queries_paid_for_beside_the_trained_ones(capsys, tmp_path):
+    """Issue 54 item 2: after a stop and resume, the queries answered in all (re-done ones included)
+    are said beside the trained epochs' count, which stays the sample-efficiency axis."""
+    from diffrlhf.deploy.cli import _summary
+
+    cfg = load_config("tiny", overrides=["train.lr=0.02"])  # no committed band for this config
+    recs = [{"epoch": 0, "reward_mean": -1.9, "reward_se": 0.03, "reward_queries": 32, "reward_queries_total": 32, "reward_queries_lost": 0},
+            {"epoch": 1, "reward_mean": -1.8, "reward_se": 0.03, "reward_queries": 64, "reward_queries_total": 80, "reward_queries_lost": 16}]
+    _summary(cfg, recs, 10.0, tmp_path, [])
+    out = capsys.readouterr().out
+    assert "over 64 reward queries (80 answered in all, 16 of them re-done after a stop)" in out
+    recs[1].update(reward_queries_total=64, reward_queries_lost=0)
+    _summary(cfg, recs, 10.0, tmp_path, [])
+    assert "over 64 reward queries\n" in capsys.readouterr().out

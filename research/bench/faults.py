@@ -218,7 +218,8 @@ def compare(run: dict, ref: dict, epochs: int) -> dict:
                sample_retries=last.get("sample_retries"), score_retries=last.get("score_retries"),
                reward_queries=last.get("reward_queries"), ref_reward_queries=rrecs[-1]["reward_queries"],
                queries_equal=[r["reward_queries"] for r in recs] == [r["reward_queries"] for r in rrecs],
-               queries_double=(last["reward_queries_total"] - last["reward_queries"]) if recs else None,
+               # answered twice beyond the re-made epochs (reward_queries_total includes those)
+               queries_double=(last["reward_queries_total"] - last["reward_queries"] - last.get("reward_queries_lost", 0)) if recs else None,
                queries_lost_counter=last.get("reward_queries_lost"),
                queries_remade=sum(s["queries_untrained"] for s in run["stops"]),
                reward_means=[r["reward_mean"] for r in recs],
