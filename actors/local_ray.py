@@ -8,6 +8,7 @@ import os
 import psutil
 import ray
 
+from diffrlhf.actors.ray_errors import ANSI
 from diffrlhf.actors.reaper import watch
 from diffrlhf.actors.scheduler import local_resources
 
@@ -53,3 +54,28 @@ def _watch_local_ray() -> None:
     reaper = watch(ray_procs)
     if reaper is not None:
         _reapers.append(reaper)
+
+
+def route_ray_messages(log_path, echo: bool = False) -> None:
+    """Ray's own messages to the driver (the raylet's "A worker died or was killed ...", several hundred
+    characters in colour) go to `log_path`, without colour codes, instead of the console: the driver
+    says each event in one line of its own. echo (--debug) prints them as well, as Ray would.
+
+    Ray prints them from a background thread through ray._private.worker.print_to_stdstream (a
+    private API: where it is missing this does nothing)."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None:
+        return
+    original = getattr(original, "diffrlhf_original", original)
+
+    def to_log(data, ignore_prefix: bool):
+        with open(log_path, "a") as f:
+            for line in data.get("lines", []):
+                f.write(f"({data.get('pid', '')}) {ANSI.sub('', str(line))}\n")
+        if echo:
+            original(data, ignore_prefix)
+
+    to_log.diffrlhf_original = original
+    ray_worker.print_to_stdstream = to_log

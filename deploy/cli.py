@@ -71,6 +71,7 @@ def preflight(cfg) -> None:
 def cmd_train(args) -> int:
     from diffrlhf.actors.checkpoint import load_checkpoint
     from diffrlhf.actors.driver import Driver, RunFailed, init_ray
+    from diffrlhf.actors.local_ray import route_ray_messages
     from diffrlhf.deploy.runlog import RunLogger, make_run_dir
 
     cfg = load_cfg(args)
@@ -85,6 +86,7 @@ def cmd_train(args) -> int:
     t0 = time.time()
     try:
         init_ray(cfg)
+        route_ray_messages(run_dir / "ray_messages.log", echo=args.debug)  # the driver says each event in one line
         driver = Driver(cfg, run_dir, logger=logger, progress=not args.no_progress, resume_state=state)
         records = driver.run()
     except RunFailed:

@@ -126,3 +126,22 @@ def test_the_summary_after_a_resume_is_the_whole_runs(tmp_path, ray_address):
     assert len(gain) == 1 and gain[0].startswith(f"[diffrlhf] {whole}"), (gain, whole)
     assert any(ln.startswith("[diffrlhf] 4 epochs (2 after the resume)") for ln in resumed)
     assert any(ln.startswith("[diffrlhf] resuming at epoch 2 of 4 from the checkpoint; redone: 0 reward queries") for ln in resumed)
+
+
+def test_rays_own_messages_go_to_the_run_folder_without_colour(tmp_path, capsys, monkeypatch):
+    """Ray's raylet messages (e.g. "A worker died ...", ~480 characters in colour when a reward actor
+    dies) go to the run folder's ray_messages.log, not the console; --debug echoes them too."""
+    from ray._private import worker as ray_worker
+
+    from diffrlhf.actors.local_ray import route_ray_messages
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after the test
+    route_ray_messages(tmp_path / "ray_messages.log")
+    ray_worker.print_to_stdstream({"lines": ["\x1b[33mA worker died or was killed\x1b[0m"], "pid": "raylet", "is_err": False},
+                                  ignore_prefix=False)
+    assert capsys.readouterr() == ("", "")
+    assert (tmp_path / "ray_messages.log").read_text() == "(raylet) A worker died or was killed\n"
+    route_ray_messages(tmp_path / "again.log", echo=True)  # routing twice wraps Ray's original, not the wrapper
+    ray_worker.print_to_stdstream({"lines": ["shown"], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert "shown" in capsys.readouterr().out and (tmp_path / "again.log").read_text() == "(raylet) shown\n"
+    assert not (tmp_path / "ray_messages.log").read_text().count("shown")
