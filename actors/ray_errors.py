@@ -45,6 +45,11 @@ def actor_death(text: str) -> str:
     own message; otherwise the first line and the exit detail's first sentence (Ray's advice on
     resource isolation and the actor's ids are left out)."""
     text = ANSI.sub("", text)
+    # an actor Ray cannot reach (its process exited, or is restarting): the cause without its ids
+    unreachable = re.match(r"The actor [0-9a-f]+ is unavailable: (.*?)(?: The task may or may not have been executed on the actor\.)?$",
+                           " ".join(text.split()))
+    if unreachable:
+        return f"unreachable: {unreachable.group(1).rstrip('.')}"
     if "creation task" in text and "  File " in text:
         return without_frames(text)
     m = re.match(r"(.*?Worker exit detail: [^.]*\.?)", text, re.S)

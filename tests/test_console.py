@@ -65,6 +65,9 @@ def test_ray_actor_death_text_is_cut_to_its_cause():
                 "  File \"w.py\", line 3, in __init__\n    raise FileNotFoundError('no weights')\n"
                 "FileNotFoundError: no weights for x\nfetch them with: diffrlhf fetch-weights x")
     assert _actor_death(creation) == "FileNotFoundError: no weights for x\nfetch them with: diffrlhf fetch-weights x"
+    gone = ("The actor a9b3806bb7b5849c61d8c46c01000000 is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
+            "Socket closed rpc_code: 14. The task may or may not have been executed on the actor.")
+    assert _actor_death(gone) == "unreachable: The actor is temporarily unavailable: RpcError: RPC error: Socket closed rpc_code: 14"
 
 
 def test_resume_line_counts_what_is_made_again():
