@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrlhf.keys import choices
+from diffrlhf.keys import check, choices
 from diffrlhf.policy.branching import per_step_variance
 from diffrlhf.policy.ddim import ddim_std
 
@@ -85,8 +85,7 @@ def timestep_weights(
             raise ValueError("timestep weighting 'ddim_std' needs the DDIM scheduler")
         w = ddim_std(scheduler, t.long(), eta)
     elif scheme in _GAUSSIAN_CENTRES:
-        if gaussian_width <= 0:
-            raise ValueError(f"gaussian_width must be > 0, got {gaussian_width}")
+        check("weighting.gaussian_width", gaussian_width)  # > 0, as the key table declares
         u = torch.linspace(0, 1, n, dtype=torch.float64) if n > 1 else torch.zeros(1, dtype=torch.float64)
         w = torch.exp(-((u - _GAUSSIAN_CENTRES[scheme]) ** 2) / (2 * gaussian_width**2))
     elif scheme == "oracle":
