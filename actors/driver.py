@@ -53,7 +53,6 @@ class Driver:
         actors or stop the run there)."""
         self.cfg, self.run_dir, self.logger, self.progress = cfg, Path(run_dir), logger, progress
         self.worker_classes, self.on_update = worker_classes or {}, on_update
-        self.ckpt_dir = self.run_dir / "checkpoint"
         self.resume, self.resume_state = resume, resume_state
         self.prompts = load_prompts(cfg.prompts.train)  # a bad prompt list fails before any actor starts
         self.sched = EpochScheduler.from_config(cfg)

@@ -359,26 +359,25 @@ def uses_prompts(spec: Spec) -> bool:
     return name not in PROMPT_INDEPENDENT
 
 
-def package_reward_names(spec: Spec) -> list[str]:
-    """The package-backed rewards (served from their own venv) a spec uses, weighted_sum terms included."""
+def reward_names(spec: Spec) -> list[str]:
+    """The names of the rewards a spec builds, weighted_sum terms included ([] for a callable)."""
     if callable(spec) and not isinstance(spec, (str, Mapping)):
         return []
     name, kw = _split(spec)
     if name == "weighted_sum":
-        return [n for t in kw.get("terms") or [] for n in package_reward_names({k: v for k, v in t.items() if k != "weight"}
-                                                                               if isinstance(t, Mapping) else t)]
-    return [name] if name in BY_REWARD else []
+        return [n for t in kw.get("terms") or []
+                for n in reward_names({k: v for k, v in t.items() if k != "weight"} if isinstance(t, Mapping) else t)]
+    return [name]
+
+
+def package_reward_names(spec: Spec) -> list[str]:
+    """The package-backed rewards (served from their own venv) a spec uses."""
+    return [n for n in reward_names(spec) if n in BY_REWARD]
 
 
 def custom_names(spec: Spec) -> list[str]:
-    """The custom ('package.module:callable') rewards a spec uses, weighted_sum terms included."""
-    if callable(spec) and not isinstance(spec, (str, Mapping)):
-        return []
-    name, kw = _split(spec)
-    if name == "weighted_sum":
-        return [n for t in kw.get("terms") or [] for n in custom_names({k: v for k, v in t.items() if k != "weight"}
-                                                                         if isinstance(t, Mapping) else t)]
-    return [name] if ":" in name else []
+    """The custom ('package.module:callable') rewards a spec uses."""
+    return [n for n in reward_names(spec) if ":" in n]
 
 
 class NonFiniteTrialError(RewardContractError):

@@ -195,10 +195,9 @@ def build(name: str, root: Path | None = None, torch_version: str | None = None,
 
     if not py.exists():
         run(sys.executable, "-m", "venv", folder, what=f"creating the venv at {folder}")
-    pins = folder / "core-pins.txt"  # keeps the requirements from moving torch or Ray
-    pins.write_text(f"torch=={torch_version}\ntorchvision=={torchvision_for(torch_version)}\nray=={core['ray']}\n")
     pip = (py, "-m", "pip", "install", "-q", "--disable-pip-version-check")
-    run(*pip, "-c", pins, f"torch=={torch_version}", f"torchvision=={torchvision_for(torch_version)}", f"ray=={core['ray']}",
+    # one resolve: the pinned torch, torchvision and Ray beside the requirements keep those from moving
+    run(*pip, f"torch=={torch_version}", f"torchvision=={torchvision_for(torch_version)}", f"ray=={core['ray']}",
         *requirement_lines(env), what=f"installing {env.requirements} with torch {torch_version} and ray {core['ray']}")
     if env.no_deps:
         run(*pip, "--no-deps", *env.no_deps, what=f"installing {', '.join(env.no_deps)} without their dependencies")

@@ -97,17 +97,24 @@ def test_watchdog_flags_idle_roles_stuck_queues_and_flat_reward():
     assert w.check(now=35) == []
 
 
-def test_sample_and_eval_commands_on_a_run_folder(tmp_path, tiny):
-    from diffrlhf.deploy.config import load_config
-    from diffrlhf.deploy.evaluate import cmd_eval, cmd_sample, format_table
-    from diffrlhf.learner.lora import add_lora, save_lora
+def run_folder(tmp_path, tiny, num_steps: int):
+    """A run folder as `diffrlhf train` leaves one: config.yaml (tiny-random, small) and a LoRA epoch."""
+    from diffrlhf.learner.lora import add_lora
 
-    cfg = load_config("tiny", overrides=["model.name=tiny-random", "sample.num_steps=3", "sample.resolution=32",
+    cfg = load_config("tiny", overrides=["model.name=tiny-random", f"sample.num_steps={num_steps}", "sample.resolution=32",
                                          "prompts.train=simple_animals", "prompts.eval=eval_simple_animals"])
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     add_lora(tiny.unet, rank=4)
+    return run
+
+
+def test_sample_and_eval_commands_on_a_run_folder(tmp_path, tiny):
+    from diffrlhf.deploy.evaluate import cmd_eval, cmd_sample, format_table
+    from diffrlhf.learner.lora import save_lora
+
+    run = run_folder(tmp_path, tiny, num_steps=3)
     with torch.no_grad():  # a visibly non-identity adapter
         for n, p in tiny.unet.named_parameters():
             if "lora_B" in n:
@@ -303,14 +310,9 @@ def test_eval_prints_only_what_was_asked_aligned(tmp_path, tiny):
     import subprocess
     import sys
 
-    from diffrlhf.learner.lora import add_lora, save_lora
+    from diffrlhf.learner.lora import save_lora
 
-    cfg = load_config("tiny", overrides=["model.name=tiny-random", "sample.num_steps=2", "sample.resolution=32",
-                                         "prompts.train=simple_animals", "prompts.eval=eval_simple_animals"])
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    add_lora(tiny.unet, rank=4)
+    run = run_folder(tmp_path, tiny, num_steps=2)
     save_lora(tiny.unet, run / "lora" / "epoch_0001")
     # eval loads everything sample does (the pipeline, the LoRA) and more (CLIP, the reward): one process
     for args in (["eval", "--run", str(run), "--n", "1", "--clip", str(tmp_path / "no-clip")],):
