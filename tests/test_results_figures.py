@@ -41,11 +41,10 @@ def test_the_30_epoch_net_gains_are_the_drift_files():
 
 def test_the_first_runs_gains_are_their_metrics():
     """Section "What does the tiny world learn": each seed's gain = mean of the last 3 epochs - epoch 0."""
-    for seed, text in ((0, "+0.176"), (1, "+0.202"), (2, "+0.466")):
+    for seed in (0, 1, 2):
         records = [json.loads(ln) for ln in (STUDY / "first_run" / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
         gain = np.mean([r["reward_mean"] for r in records[-3:]]) - records[0]["reward_mean"]
-        assert f"{gain:+.3f}" == text
-        assert f"| {seed} | {text} = " in RESULTS
+        assert f"| {seed} | {gain:+.3f} = " in RESULTS, (seed, gain)
 
 
 def test_the_reward_throughput_is_its_file():
