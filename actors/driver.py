@@ -21,16 +21,15 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from diffrlhf.actors import oracle, recast_probe
 from diffrlhf.actors.checkpoint import save_checkpoint
 from diffrlhf.actors.local_ray import init_ray  # noqa: F401  (re-exported: the CLI and tests start Ray from here)
 from diffrlhf.actors.observe import RunMetrics, Watchdog
 from diffrlhf.actors.placement import Placement
-from diffrlhf.actors.probes import oracle_probe, recast_weights_probe
+from diffrlhf.actors.probes import probes_at
 from diffrlhf.actors.ray_errors import error_text, outcome, ray_restarts, read_all, with_hint
-from diffrlhf.actors.resume import resume_from, resume_hint
+from diffrlhf.actors.resume import carry_counters, restore_line, restore_point, resume_from, resume_hint
 from diffrlhf.actors.roles import check_restarts, role_stats
-from diffrlhf.actors.scheduler import AddTask, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask
+from diffrlhf.actors.scheduler import AddTask, CoreRoleDied, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask
 from diffrlhf.actors.settings import plan_for, reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardRoleConfig, RewardWorker, SamplerWorker
 from diffrlhf.buffer.epoch import EmptyEpochError, epoch_record
@@ -78,6 +77,8 @@ class Driver:
         self._n, self._last_progress = 0, time.time()
         self.t_run = 0.0
         self.bar = None
+        self.core_restarts = 0  # in-run restores after a learner or buffer death (system.max_core_restarts)
+        self.carried: tuple | None = None  # (counters, t_run) at the death a restore continues from
 
     @property
     def counters(self) -> dict:
@@ -140,9 +141,36 @@ class Driver:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> list[dict]:
+        """The run to its last epoch; a dead learner or buffer: every role restored from the last checkpoint."""
+        while True:
+            try:
+                return self._session()
+            except CoreRoleDied as e:
+                limit = self.cfg.system.max_core_restarts
+                if self.core_restarts >= limit:
+                    raise RunFailed(with_hint(f"{e} (system.max_core_restarts={limit} spent)", resume_hint(self.cfg, self.run_dir))) from None
+                self._restore(e)
+
+    def _restore(self, e: CoreRoleDied) -> None:
+        """Every actor stopped, the loop's state dropped, the last checkpoint (or the start) loaded."""
+        live = (dict(self.sched.counters), self.t_run)
+        self.shutdown()
+        state, done = restore_point(self.run_dir)
+        self.core_restarts += 1
+        print(f"[diffrlhf] {restore_line(e, done, self.core_restarts, self.cfg)}")
+        self.sched, self.resume, self.resume_state, self.carried = EpochScheduler.from_config(self.cfg), False, state, live  # counters: resume.carry_counters
+        self.records = [r for r in self.records if r["epoch"] < done]
+        self.weights, self.pending, self.watch, self.later, self.sampled, self.scores = {}, {}, {}, [], {}, {}
+        self.restarts = {f"{name} (before restore {self.core_restarts})": n for name, n in self.restarts.items()}  # still summed
+        if self.logger is not None:
+            self.logger.truncate(done)
+
+    def _session(self) -> list[dict]:
         state, sched = resume_from(self.cfg, self.run_dir, self.resume, self.resume_state)
         if sched is not None:
             self.sched = sched
+        if self.carried is not None:
+            self.sched.counters.update(carry_counters(self.carried[0], self.sched.counters))
         self.start_actors()
         if state is not None:
             # Every rank holds the same LoRA and optimizer state: one saved state fits any num_learners.
@@ -152,11 +180,9 @@ class Driver:
                 self.logger.truncate(self.sched.epochs_done)
         else:
             self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
-            if 0 in oracle.probe_rounds(self.cfg):
-                self._probe(0, self.weights[0])
-            if 0 in recast_probe.probe_rounds(self.cfg):
-                self._probe_recast(0, self.weights[0])
-        self.t_run = time.time() - (state["wall_s"] if state else 0.0)  # wall_s continues over a resume
+            self._probes(0, self.weights[0])
+        # wall_s continues over a resume; over an in-run restore, the time lost to the death counts too
+        self.t_run = self.carried[1] if self.carried else time.time() - (state["wall_s"] if state else 0.0)
         self._last_progress = time.time()
         self.bar = tqdm(total=self.cfg.train.epochs, initial=self.sched.epochs_done, desc="epochs", unit="epoch") if self.progress else None
         try:
@@ -166,10 +192,12 @@ class Driver:
                 for ref in self._wait():
                     task, _, _, extra = self.pending.pop(ref)
                     self._submit(self._on_result(ref, task, extra))
+        except CoreRoleDied:
+            raise
         except RunFailed as e:
             raise RunFailed(with_hint(str(e), resume_hint(self.cfg, self.run_dir))) from None
         except ray.exceptions.RayActorError as e:  # a core role died outside a task's result (checkpoint, LoRA save)
-            raise RunFailed(f"an actor died while the driver saved the run: {error_text(e)}.{resume_hint(self.cfg, self.run_dir)}") from None
+            raise CoreRoleDied(f"an actor died while the driver saved the run: {error_text(e)}", "the learner or the buffer") from None
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -262,10 +290,7 @@ class Driver:
         metrics = outcomes[0][0]
         self.weights[t.epoch + 1] = weights
         new = self.sched.updated(t, summary["samples"])
-        if t.epoch + 1 in oracle.probe_rounds(self.cfg):  # before the checkpoint, which then holds the new profile
-            self._probe(t.epoch + 1, weights)
-        if t.epoch + 1 in recast_probe.probe_rounds(self.cfg):  # likewise: the checkpoint holds the new W
-            self._probe_recast(t.epoch + 1, weights)
+        self._probes(t.epoch + 1, weights)  # before the checkpoint, which then holds the new profile or W
         self._submit([x for x in new if not isinstance(x, UpdateTask)])  # sampling goes on while we log and checkpoint
         keep = set(self.sched.needed_versions())
         self.weights = {v: w for v, w in self.weights.items() if v in keep}
@@ -276,17 +301,11 @@ class Driver:
         # the learner and buffer before that epoch's finalize and update changed them.
         return [x for x in new if isinstance(x, UpdateTask)]
 
-    def _count_probe(self, queries: int) -> None:
+    def _probes(self, round_: int, weights) -> None:
+        queries = probes_at(self.cfg, self.prompts, round_, weights, self.samplers, self.rewards, self.learners, self.buffer, self.logger)
         self.sched.counters["reward_queries"] += queries
         self.sched.counters["reward_queries_total"] += queries
         self._last_progress = time.time()  # a long probe is progress, not a stall for the idle watch
-
-    def _probe(self, round_: int, weights) -> None:
-        self._count_probe(oracle_probe(self.cfg, self.prompts, round_, weights, self.samplers, self.rewards, self.learners))
-
-    def _probe_recast(self, round_: int, weights) -> None:
-        self._count_probe(recast_weights_probe(self.cfg, self.prompts, round_, weights, self.samplers, self.rewards, self.learners,
-                                               self.buffer, self.logger))
 
     def _wait(self) -> list:
         """The refs that are ready, in submission order; in slices, so the watchdog speaks and

@@ -56,3 +56,14 @@ def recast_weights_probe(cfg, prompts: list[str], round_: int, weights, samplers
     if logger is not None:
         logger.log_recast(result)
     return queries
+
+
+def probes_at(cfg, prompts: list[str], round_: int, weights, samplers: list, rewards: list, learners: list, buffer, logger) -> int:
+    """The probes due at this round (before its checkpoint, which then holds the new profile or W);
+    the reward queries they made."""
+    queries = 0
+    if round_ in oracle.probe_rounds(cfg):
+        queries += oracle_probe(cfg, prompts, round_, weights, samplers, rewards, learners)
+    if round_ in recast_probe.probe_rounds(cfg):
+        queries += recast_weights_probe(cfg, prompts, round_, weights, samplers, rewards, learners, buffer, logger)
+    return queries

@@ -37,3 +37,31 @@ def resume_hint(cfg, run_dir: Path) -> str:
     path, epochs = found
     done = f" ({epochs} of {cfg.train.epochs} epochs done)" if epochs is not None else ""
     return f" The last checkpoint{done} is {path}; continue with: diffrlhf train --resume {run_dir}"
+
+
+def carry_counters(live: dict, restored: dict) -> dict:
+    """The counters after an in-run restore (a learner or the buffer died): the epochs, samples and
+    trained queries as the checkpoint holds them; every query the reward actors answered stays in
+    the total (paid for), and those answered since the checkpoint join reward_queries_lost (they are
+    asked again); the deaths and retries seen so far stay, plus the core role's death."""
+    c = dict(restored)
+    since = live["reward_queries_total"] - restored["reward_queries_total"]
+    c["reward_queries_total"] = live["reward_queries_total"]
+    c["reward_queries_lost"] = restored["reward_queries_lost"] + since
+    c["actor_deaths"] = live["actor_deaths"] + 1
+    for k in ("sample_retries", "score_retries"):
+        c[k] = live[k]
+    return c
+
+
+def restore_point(run_dir: Path) -> tuple[dict | None, int]:
+    """The state an in-run restore continues from (None: the start) and its epochs done."""
+    state = load_checkpoint(run_dir) if latest_checkpoint(run_dir) else None
+    return state, int(state["counters"]["epochs_done"]) if state else 0
+
+
+def restore_line(e: Exception, epochs_done: int, restart: int, cfg) -> str:
+    """One line for an in-run restore: what died, from where the run goes on, which restart of how many."""
+    where = f"the checkpoint at epoch {epochs_done} of {cfg.train.epochs}" if epochs_done else "the start (no checkpoint yet)"
+    return (f"{e}; restoring every role from {where}, within the run "
+            f"(restart {restart} of system.max_core_restarts={cfg.system.max_core_restarts})")

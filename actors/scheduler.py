@@ -31,6 +31,15 @@ class RunFailed(RuntimeError):
     """The run cannot go on (a dead learner or buffer, a whole role dead, nothing to train on, a stall)."""
 
 
+class CoreRoleDied(RunFailed):
+    """A learner or the buffer died: the driver restores every role from the last checkpoint, within
+    the run, up to system.max_core_restarts times (actors/resume.py); then it is a RunFailed."""
+
+    def __init__(self, message: str, role: str):
+        super().__init__(message)
+        self.role = role
+
+
 @dataclass(eq=False)
 class SampleTask:
     epoch: int
@@ -208,8 +217,9 @@ class EpochScheduler:
         if isinstance(t, UpdateTask):
             self.updating = False
         if isinstance(t, (AddTask, UpdateTask)):
-            what = f"the {role} actor died" if died else f"the {role} failed during epoch {t.epoch}"
-            raise RunFailed(f"{what}: {error}")
+            if died:
+                raise CoreRoleDied(f"the {role} actor died: {error}", role)
+            raise RunFailed(f"the {role} failed during epoch {t.epoch}: {error}")
         if isinstance(t, PingTask):
             raise RunFailed(f"{t.role}-{t.actor} failed to answer a ping: {error}")
         if not died:  # an exception in the work itself: the same input would fail again

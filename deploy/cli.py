@@ -28,7 +28,7 @@ EXIT_INPUT, EXIT_RUN_FAILED, EXIT_CHECKPOINT, EXIT_INTERRUPTED = 2, 3, 4, 130
 EXIT_CODES = f"""exit codes:
   0    done
   {EXIT_INPUT}    bad config or input (config key, reward spec or weights, prompt list, model, run folder): nothing started
-  {EXIT_RUN_FAILED}    the run failed (a dead learner or buffer, a failing reward, no progress); it names the last checkpoint
+  {EXIT_RUN_FAILED}    the run failed (a learner or buffer dead past system.max_core_restarts, a failing reward, no progress); it names the last checkpoint
   {EXIT_CHECKPOINT}    --resume found no usable checkpoint (each path tried is named); the run folder is unchanged
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C); it prints the command that resumes from the last checkpoint
 Errors are one line `error: ...`; --debug shows the whole message and the traceback instead."""

@@ -67,3 +67,12 @@ def test_the_per_step_gradient_shares_are_the_measurement():
     assert f"brings the last quarter to {100 * ddim_std['last_quarter_share'][0]:.0f}% (CV over steps " \
            f"{ddim_std['cv'][0]:.2f} against {uniform['cv'][0]:.2f})" in text
     assert f"vary {uniform['max_over_min'][0]:.0f}-fold" in text
+
+
+def test_the_bad_input_figures_are_the_benchmark_file():
+    """Section "What does the distributed system cost", bad input: every case refused (exit 2) in
+    one stderr line, no Ray started, no run folder left; the count and the time range quoted."""
+    cases = json.loads((STUDY / "bad_input" / "bad_input.json").read_text())["cases"]
+    assert {(c["exit"], c["stderr_lines"], c["ray_started"], c["run_folder_left"]) for c in cases} == {(2, 1, False, False)}
+    secs = [c["seconds"] for c in cases]
+    assert f"{len(cases)} inputs" in RESULTS and f"exited 2 in {min(secs):.1f}-{max(secs):.1f} s" in RESULTS, (len(cases), min(secs), max(secs))

@@ -127,8 +127,10 @@ def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_e
         if epoch == 1:
             ray.kill(driver.learner)
 
-    d = Driver(cfg, run, progress=False, worker_classes={"sampler": crash_once_sampler(tmp_path / "marker")}, on_update=kill_actors)
-    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*The last checkpoint \(2 of 4 epochs done\).*--resume"):
+    # system.max_core_restarts=0: the stop and the user's resume (the in-run restore is the next test)
+    d = Driver(cfg_with(*LAG1, "system.max_core_restarts=0"), run, progress=False,
+               worker_classes={"sampler": crash_once_sampler(tmp_path / "marker")}, on_update=kill_actors)
+    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*max_core_restarts=0 spent.*The last checkpoint \(2 of 4 epochs done\).*--resume"):
         d.run()
     first = d.records
     d.shutdown()
@@ -164,12 +166,57 @@ def learner_dying_in_checkpoint():
     return DyingLearner
 
 
-def test_a_learner_that_dies_during_a_checkpoint_save_names_the_resume_command(tmp_path):
-    cfg = cfg_with("train.epochs=2", "system.max_policy_lag=0", "system.num_samplers=1")
+@pytest.mark.parametrize("role", ["learner", "buffer"])
+def test_a_dead_learner_or_buffer_is_restored_within_the_run(tmp_path, lag1_run, role, capsys):
+    """The learner (or the buffer) killed after update 1, with epoch 2 sampled and scored in flight:
+    the driver says so in one line, restores every role from the checkpoint (2 of 4 epochs done)
+    and the run finishes by itself, epoch for epoch the uninterrupted run's rewards, losses and
+    final LoRA. The queries answered before the death and asked again after it stay in
+    reward_queries_total and are counted in reward_queries_lost: the total adds up."""
+    import re
+
+    straight_dir, full, _, _ = lag1_run
+    run, killed = tmp_path / "run", []
+
+    def kill_once(driver, epoch):
+        if epoch == 1 and not killed:
+            ray.kill(driver.learner if role == "learner" else driver.buffer)
+            killed.append(role)
+
+    from diffrlhf.deploy.runlog import RunLogger
+
+    capsys.readouterr()
+    cfg = cfg_with(*LAG1)
+    d = Driver(cfg, run, logger=RunLogger(run, cfg, tensorboard=False), progress=False, on_update=kill_once)
+    records = d.run()
+    d.shutdown()
+    out = capsys.readouterr().out
+    assert killed == [role] and d.core_restarts == 1
+    restore = [line for line in out.splitlines() if "restoring every role" in line]
+    assert len(restore) == 1 and re.search(rf"the {role} actor died: .*; restoring every role from the checkpoint at epoch 2 of 4, "
+                                           r"within the run \(restart 1 of system.max_core_restarts=2\)$", restore[0]), out
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    for a, b in zip(records, full):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["reward_queries"] == b["reward_queries"]
+    lost = records[-1]["reward_queries_lost"]
+    assert lost >= 4 and records[-1]["reward_queries_total"] == 32 + lost and records[-1]["actor_deaths"] >= 1
+    assert [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    a, b = final_lora(straight_dir), final_lora(run)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_learner_that_dies_at_every_checkpoint_save_spends_the_restores_then_names_the_resume_command(tmp_path, capsys):
+    """No checkpoint yet: the restore starts the run over; when system.max_core_restarts are spent
+    the run stops, saying so and what to do."""
+    cfg = cfg_with("train.epochs=2", "system.max_policy_lag=0", "system.num_samplers=1", "system.max_core_restarts=1")
     d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner_dying_in_checkpoint()})
-    with pytest.raises(RunFailed, match=r"(?s)died while the driver saved the run.*No checkpoint was written yet"):
+    with pytest.raises(RunFailed, match=r"(?s)died while the driver saved the run.*max_core_restarts=1 spent.*No checkpoint was written yet"):
         d.run()
     d.shutdown()
+    out = capsys.readouterr().out
+    assert "restoring every role from the start (no checkpoint yet), within the run (restart 1 of system.max_core_restarts=1)" in out
 
 
 def hanging_sampler():
@@ -275,7 +322,7 @@ def test_a_colocated_group_runs_b2diffurl_and_the_oracle_as_the_reference_loop_s
             ray.kill(driver.learners[1])
             killed.append(time.time())
 
-    d = Driver(cfg_with(*B2_RAY, *COLOCATED), run, progress=False, on_update=kill_rank_1)
+    d = Driver(cfg_with(*B2_RAY, *COLOCATED, "system.max_core_restarts=0"), run, progress=False, on_update=kill_rank_1)
     with pytest.raises(RunFailed, match=r"(?s)learner actor died: learner-1 of 2.*1 of 3 epochs done.*--resume"):
         d.run()
     # Not a speed bound: detection takes seconds, the collective's timeout 1800 s; 600 s tells them apart with room.

@@ -13,9 +13,11 @@ after the actors started:
   sampler  ray.kill(driver.samplers[i], no_restart=False), i random: Ray restarts it, the driver
            re-sends its batches;
   reward   ray.kill(driver.rewards[i], no_restart=False), likewise;
-  learner  ray.kill(driver.learner): the run stops with RunFailed naming `--resume`; a new
-           Driver(resume=True) continues from the last checkpoint (or starts over when the stop
-           says no checkpoint was written yet, as its message tells the user to);
+  learner  ray.kill(driver.learner): the driver restores every role from the last checkpoint
+           within the run (system.max_core_restarts). With system.max_core_restarts=0 (as the
+           committed faults.json ran, before the restore existed) the run stops with RunFailed naming
+           `--resume`, and a new Driver(resume=True) continues from the last checkpoint (or starts
+           over when the stop says no checkpoint was written yet, as its message tells the user to);
   driver   _thread.interrupt_main(): a KeyboardInterrupt inside Driver.run() (delivered when the
            main thread next runs Python, at most one ray.wait slice later; the run gets Python's
            SIGINT handler, which a background job lacks); driver.shutdown() then kills its actors
