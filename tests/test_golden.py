@@ -3,13 +3,20 @@ project's default method: hard-mined replay with latent_sq weighting), 2 epochs 
 model. A refactor (the key table, algorithms as parts, the driver) must keep them: rewards, losses,
 KLs, gradient norms and what was trained.
 
-The numbers live in tests/data/golden.json; after a change that is MEANT to alter results,
-rewrite them with `GOLDEN_WRITE=1 python -m pytest tests/test_golden.py` and say why in the commit.
-Compared to a relative 1e-6 (float summation order may differ across CPU instruction sets)."""
+The numbers live in tests/data/golden.json, one set per machine (CPU model, torch's CPU kernels,
+torch version): float32 kernels round differently on another CPU (measured: the code that wrote the
+first set, f52d56b, gives on an AVX-512 AMD EPYC a first-update loss 0.7% off, then a JPEG reward
+2.6e-4 off after one update, and the runs drift apart from there). On a machine that has its own set
+the records must agree to a relative 1e-6; on any other, against every recorded set, the counts
+exactly, epoch 0's rewards (sampled before any update) to 1e-6 and the rest within CROSS_MACHINE_REL.
+Add this machine's set from a commit whose numbers are known good (`GOLDEN_WRITE=1 python -m
+pytest tests/test_golden.py`); after a change that is MEANT to alter results, rewrite them all and
+say why in the commit."""
 from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -34,9 +41,25 @@ HELD = ["reward_mean", "reward_std", "loss", "approx_kl", "clipfrac", "grad_norm
         "steps_trained", "num_replayed", "optimizer_steps", "reward_queries"]
 
 
+COUNTS = ["samples_trained", "steps_trained", "num_replayed", "optimizer_steps", "reward_queries"]
+# Across machines: the widest gap measured between two CPUs' runs of the same commit was 3.3% (the
+# epoch-1 loss, itself a near-cancelling sum); 0.1 keeps a margin and still fails a changed
+# weighting, clip or advantage, which move these by far more.
+CROSS_MACHINE_REL = 0.1
+
+
+def machine_signature() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    import torch
+
+    return f"{model} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
+
+
 @pytest.fixture(scope="module")
-def golden():
-    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+def golden() -> dict:
+    """{machine signature: {run name: records}}."""
+    return json.loads(GOLDEN.read_text())["machines"] if GOLDEN.exists() else {}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -44,14 +67,26 @@ def test_the_reference_loop_keeps_its_numbers(name, golden, tiny_folder):
     cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", *BASE, *RUNS[name]])
     records = run_reference(cfg, progress=False)
     got = [{k: r[k] for k in HELD if k in r} for r in records]
+    here = machine_signature()
     if os.environ.get("GOLDEN_WRITE"):
-        data = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-        GOLDEN.write_text(json.dumps({**data, name: got}, indent=1) + "\n")
+        data = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"machines": {}}
+        data["machines"].setdefault(here, {})[name] = got
+        GOLDEN.write_text(json.dumps(data, indent=1) + "\n")
         pytest.skip("golden numbers written")
-    assert name in golden, f"no golden numbers for {name!r}: run with GOLDEN_WRITE=1"
-    assert [sorted(r) for r in got] == [sorted(r) for r in golden[name]]
-    for epoch, (g, want) in enumerate(zip(got, golden[name])):
-        for k, v in want.items():
-            assert g[k] == pytest.approx(v, rel=1e-6, abs=1e-12), f"{name} epoch {epoch} {k}: {g[k]} != {v}"
+    assert any(name in runs for runs in golden.values()), f"no golden numbers for {name!r}: run with GOLDEN_WRITE=1"
+    if name in golden.get(here, {}):
+        compare(got, golden[here][name], f"{name} ({here})", rel=1e-6)
+    else:
+        for machine, runs in golden.items():
+            if name in runs:
+                compare(got, runs[name], f"{name} (against {machine})", rel=CROSS_MACHINE_REL)
     if name == "b2diffurl":
         assert all(r["steps_trained"] > 0 for r in got)
+
+
+def compare(got: list[dict], want: list[dict], what: str, rel: float) -> None:
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        for k, v in w.items():
+            tol = 1e-6 if (k in COUNTS or (epoch == 0 and k.startswith("reward_"))) else rel
+            assert g[k] == pytest.approx(v, rel=tol, abs=1e-12), f"{what} epoch {epoch} {k}: {g[k]} != {v}"

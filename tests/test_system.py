@@ -166,41 +166,46 @@ def learner_dying_in_checkpoint():
     return DyingLearner
 
 
-@pytest.mark.parametrize("role", ["learner", "buffer"])
-def test_a_dead_learner_or_buffer_is_restored_within_the_run(tmp_path, lag1_run, role, capsys):
-    """The learner (or the buffer) killed after update 1, with epoch 2 sampled and scored in flight:
-    the driver says so in one line, restores every role from the checkpoint (2 of 4 epochs done)
-    and the run finishes by itself, epoch for epoch the uninterrupted run's rewards, losses and
-    final LoRA. The queries answered before the death and asked again after it stay in
+def test_a_dead_learner_then_a_dead_buffer_are_each_restored_within_the_run(tmp_path, lag1_run, capsys):
+    """The learner killed after update 1, then the buffer after update 2 (one run for both roles: a
+    Ray run's start-up is most of its cost), each with the next epoch sampled and scored in flight:
+    the driver says so in one line each, restores every role from the last checkpoint (2, then 3 of 4
+    epochs done) and the run finishes by itself, epoch for epoch the uninterrupted run's rewards,
+    losses and final LoRA. The queries answered before a death and asked again after it stay in
     reward_queries_total and are counted in reward_queries_lost: the total adds up."""
     import re
 
     straight_dir, full, _, _ = lag1_run
     run, killed = tmp_path / "run", []
 
-    def kill_once(driver, epoch):
+    def kill(driver, epoch):
         if epoch == 1 and not killed:
-            ray.kill(driver.learner if role == "learner" else driver.buffer)
-            killed.append(role)
+            ray.kill(driver.learner)
+            killed.append("learner")
+        elif epoch == 2 and killed == ["learner"]:
+            ray.kill(driver.buffer)
+            killed.append("buffer")
 
     from diffrlhf.deploy.runlog import RunLogger
 
     capsys.readouterr()
     cfg = cfg_with(*LAG1)
-    d = Driver(cfg, run, logger=RunLogger(run, cfg, tensorboard=False), progress=False, on_update=kill_once)
+    d = Driver(cfg, run, logger=RunLogger(run, cfg, tensorboard=False), progress=False, on_update=kill)
     records = d.run()
     d.shutdown()
     out = capsys.readouterr().out
-    assert killed == [role] and d.core_restarts == 1
+    assert killed == ["learner", "buffer"] and d.core_restarts == 2
     restore = [line for line in out.splitlines() if "restoring every role" in line]
-    assert len(restore) == 1 and re.search(rf"the {role} actor died: .*; restoring every role from the checkpoint at epoch 2 of 4, "
-                                           r"within the run \(restart 1 of system.max_core_restarts=2\)$", restore[0]), out
+    assert len(restore) == 2, out
+    for line, (role, done, n) in zip(restore, [("learner", 2, 1), ("buffer", 3, 2)]):
+        assert re.search(rf"the {role} actor died: .*; restoring every role from the checkpoint at epoch {done} of 4, "
+                         rf"within the run \(restart {n} of system.max_core_restarts=2\)$", line), line
     assert [r["epoch"] for r in records] == [0, 1, 2, 3]
     for a, b in zip(records, full):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
         assert a["reward_queries"] == b["reward_queries"]
     lost = records[-1]["reward_queries_lost"]
-    assert lost >= 4 and records[-1]["reward_queries_total"] == 32 + lost and records[-1]["actor_deaths"] >= 1
+    assert lost >= 8 and records[-1]["reward_queries_total"] == 32 + lost and records[-1]["actor_deaths"] >= 2
     assert [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
     a, b = final_lora(straight_dir), final_lora(run)
     for k in a:
