@@ -401,3 +401,26 @@ def test_evidence_table_puts_drifts_files_side_by_side_and_tests_every_setting(t
         evidence_table.main(["--drift", f"x={tmp_path / 'nope.json'}", "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit):
         evidence_table.main(["--drift", "no-label-here.json", "--out", str(tmp_path / "o")])
+
+
+# ----------------------------------------------------------------------------- bytes per hop (research/bench/data_path.py)
+
+
+def test_the_row_byte_model_is_the_trajectory_contracts_fields():
+    """The SD1.5 bytes table is computed from row_bytes: it must be what a TrajectoryBatch of those
+    shapes holds, field by field (a changed dtype or shape in the contract fails here)."""
+    import torch
+
+    from diffrlhf.buffer.trajectory import TrajectoryBatch
+    from research.bench.data_path import field_bytes, row_bytes, wire_bytes
+
+    b, t, shape, tokens, dim, px = 3, 4, (4, 8, 8), 5, 7, 16
+    batch = TrajectoryBatch(prompts=["p"] * b, latents=torch.zeros(b, t + 1, *shape), timesteps=torch.zeros(b, t, dtype=torch.long),
+                            log_probs=torch.zeros(b, t), prompt_embeds=torch.zeros(b, tokens, dim),
+                            images=torch.zeros(b, px, px, 3, dtype=torch.uint8), seeds=torch.zeros(b, dtype=torch.long),
+                            policy_version=torch.zeros(b, dtype=torch.long), sample_ids=torch.arange(b))
+    assert {k: v // b for k, v in field_bytes(batch).items()} == row_bytes(t, shape, tokens, dim, px)
+    # the wire form of a batch is its Arrow bytes: the fields plus a little framing
+    raw = sum(field_bytes(batch).values())
+    assert raw < wire_bytes(batch) < raw + 8192
+    assert 4000 <= wire_bytes(np.zeros(1000, np.float32)) < 4200  # numpy out of band, as Ray's store holds it

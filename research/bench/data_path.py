@@ -1,0 +1,193 @@
+"""Bytes per epoch per hop of the data path (issue 51, step 2: the "before" table).
+
+    python -m research.bench.data_path [--epochs 5] [--out DIR]
+
+Measured on the tiny world: the four roles' classes run in this process (the same methods the Ray
+actors run, actors/workers.py), and each payload that crosses a process boundary in the Ray system
+is serialised as Ray serialises it (pickle protocol 5, numpy buffers out of band; a
+TrajectoryBatch pickles as its Arrow IPC bytes) and counted:
+
+    broadcast         the learner's new LoRA (version, FlatLoRA), once per sampler
+    sampler->reward   the reward input (ids, images, prompts), per batch
+    reward->buffer    the scores, per batch
+    sampler->buffer   the whole trajectory batch, per batch
+    buffer->learner   the epoch's training batch (this epoch's rows plus replay)
+    checkpoint        torch.save of the driver's state (learner, buffer, counters, LoRA versions)
+
+Each payload is also split by field, so the table shows which fields a hop carries but its reader
+never reads (the learner does not read `images`). For SD1.5 at 512 px and 50 steps the same
+payloads are computed from the fields' shapes and dtypes (`row_bytes`); the model is checked against
+the tiny world's measured batch (the Arrow framing is the only difference).
+Writes data_path.json and data_path.md into research/results/data_path/ or --out.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+from pathlib import Path
+
+import torch
+
+from research.bench.common import log, machine, out_dir, write_json
+
+HOPS = ("broadcast", "sampler->reward", "reward->buffer", "sampler->buffer", "buffer->learner", "checkpoint")
+# What each hop's reader reads of a trajectory batch (actors/workers.py, learner/update.py): the
+# bytes in a hop beyond these are carried for nothing.
+READ_BY_LEARNER = ("latents", "timesteps", "log_probs", "prompt_embeds", "advantages", "term_advantages", "policy_version",
+                   "sample_ids", "replayed")
+
+
+SD15_LORA_PARAMS = 797_184  # a rank-4 attention LoRA on SD1.5's UNet (RESULTS, "What is known at SD1.5's size?")
+
+
+def wire_bytes(obj) -> int:
+    """The bytes Ray's object store holds for obj: the pickle-5 stream plus its out-of-band buffers."""
+    buffers: list = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(data) + sum(memoryview(b).nbytes for b in buffers)
+
+
+def saved_bytes(obj) -> int:
+    f = io.BytesIO()
+    torch.save(obj, f)
+    return f.tell()
+
+
+def field_bytes(batch) -> dict[str, int]:
+    from diffrlhf.buffer.trajectory import TENSOR_FIELDS
+
+    return {name: getattr(batch, name).numel() * getattr(batch, name).element_size() for name in TENSOR_FIELDS}
+
+
+def row_bytes(steps: int, latent_shape: tuple[int, int, int], text_tokens: int, text_dim: int, image_px: int,
+              rewards: int = 0) -> dict[str, int]:
+    """One trajectory's bytes per field, from the shapes and dtypes of buffer/trajectory.py's fields."""
+    c, h, w = latent_shape
+    return {"latents": (steps + 1) * c * h * w * 4, "timesteps": steps * 8, "log_probs": steps * 4,
+            "prompt_embeds": text_tokens * text_dim * 4, "images": image_px * image_px * 3, "seeds": 8, "policy_version": 8,
+            "sample_ids": 8, "rewards": 4, "advantages": 4, "replayed": 1, "reward_terms": rewards * 4, "term_advantages": 0}
+
+
+def measure(epochs: int) -> dict:
+    """The tiny preset's epochs through the roles' classes in this process, each hop's payload counted."""
+    from diffrlhf.actors.settings import plan_for
+    from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardRoleConfig, RewardWorker, SamplerWorker
+    from diffrlhf.deploy.config import load_config
+    from diffrlhf.policy.prompts import load_prompts
+
+    cfg = load_config("tiny", overrides=["system.torch_threads=1"])
+    prompts = load_prompts(cfg.prompts.train)
+    sampler, reward, buffer, learner = SamplerWorker(cfg), RewardWorker(RewardRoleConfig.of(cfg)), BufferWorker(cfg), LearnerWorker(cfg)
+    weights = learner.weights()
+    per_epoch, fields = [], {}
+    for epoch in range(epochs):
+        hop = dict.fromkeys(HOPS, 0)
+        hop["broadcast"] = wire_bytes(weights) * cfg.system.num_samplers
+        for bi in range(cfg.sample.batches_per_epoch):
+            _, reward_input, batch = sampler.sample(plan_for(cfg, prompts, epoch, bi), weights)
+            score = reward.score(reward_input)
+            hop["sampler->reward"] += wire_bytes(reward_input)
+            hop["reward->buffer"] += wire_bytes(score)
+            hop["sampler->buffer"] += wire_bytes(batch)
+            buffer.add_scored(epoch, bi, batch, score)
+            fields = field_bytes(batch)
+        buffer.finalize_epoch(epoch)
+        training = buffer.training_batch(epoch)
+        hop["buffer->learner"] = wire_bytes(training)
+        learner_fields = field_bytes(training)
+        _, weights = learner.update(training)
+        versions = {weights[0]: weights[1].to_state_dict()}
+        learner_state, buffer_state = learner.state_dict(), buffer.state_dict()
+        hop["checkpoint"] = saved_bytes({"learner": learner_state, "buffer": buffer_state, "versions": versions})
+        per_epoch.append({"epoch": epoch, "bytes": hop, "training_rows": len(training), "checkpoint_learner": saved_bytes(learner_state),
+                          "checkpoint_buffer": saved_bytes(buffer_state), "buffer_epochs_held": len(buffer.replay.epochs),
+                          "learner_unread_bytes": sum(v for k, v in learner_fields.items() if k not in READ_BY_LEARNER)})
+        log("data_path", f"epoch {epoch}: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in hop.items()))
+    b, t = batch.latents.shape[0], batch.num_steps
+    shape = tuple(batch.latents.shape[2:])
+    model = row_bytes(t, shape, batch.prompt_embeds.shape[1], batch.prompt_embeds.shape[2], batch.images.shape[1])
+    return {"config": {"preset": "tiny", "batch_size": cfg.sample.batch_size, "batches_per_epoch": cfg.sample.batches_per_epoch,
+                       "num_samplers": cfg.system.num_samplers, "steps": t, "latent_shape": shape, "image_px": batch.images.shape[1],
+                       "replay": cfg.replay.mode},
+            "epochs": per_epoch, "batch_fields": {k: v // b for k, v in fields.items()}, "row_model": model,
+            "lora_params": int(weights[1].numel)}
+
+
+def checkpoint_inflation(result: dict) -> float:
+    """The buffer's bytes in the checkpoint over the Arrow bytes of the epochs it holds (last epoch):
+    torch.save pickles with protocol 2, where a bytes object is written as a latin-1 string, so
+    every byte >= 0x80 takes two."""
+    last = result["epochs"][-1]
+    return last["checkpoint_buffer"] / (last["buffer_epochs_held"] * last["bytes"]["sampler->buffer"])
+
+
+def sd15(lora_params: int, inflation: float) -> dict:
+    """The same hops for the sd15-ddpo preset's shapes (512 px, 50 steps, 256 samples an epoch)."""
+    from diffrlhf.deploy.config import load_config
+
+    cfg = load_config("sd15-ddpo")
+    s = cfg.sample
+    row = row_bytes(s.num_steps, (4, s.resolution // 8, s.resolution // 8), 77, 768, s.resolution)
+    n = s.batch_size * s.batches_per_epoch
+    per_row = sum(row.values())
+    reward_row = row["images"] + row["sample_ids"] + 40  # the prompt text: a few tens of bytes
+    return {"config": {"preset": "sd15-ddpo", "samples_per_epoch": n, "steps": s.num_steps, "resolution": s.resolution,
+                       "num_samplers": cfg.system.num_samplers, "lora_rank": cfg.model.lora_rank},
+            "row": row,
+            "bytes": {"broadcast": lora_params * 4 * cfg.system.num_samplers, "sampler->reward": reward_row * n,
+                      "reward->buffer": 16 * n, "sampler->buffer": per_row * n, "buffer->learner": per_row * n,
+                      # the buffer keeps the current epoch and replay.max_epochs before it, whatever replay.mode
+                      # (buffer/replay.py); the learner's LoRA plus Adam's two moments, fp32
+                      "checkpoint": round((cfg.replay.max_epochs + 1) * per_row * n * inflation) + 3 * 4 * lora_params},
+            "checkpoint_inflation": inflation,
+            "learner_unread_bytes": (row["images"] + row["seeds"] + row["rewards"] + row["reward_terms"]) * n}
+
+
+def table(result: dict, sd: dict) -> str:
+    tiny = result["epochs"][-1]["bytes"]
+    lines = ["| hop | tiny world, measured (MB per epoch) | SD1.5 512 px, 50 steps, 256 samples (GB per epoch, computed) |",
+             "| --- | --- | --- |"]
+    for hop in HOPS:
+        lines.append(f"| {hop} | {tiny[hop] / 1e6:.3f} | {sd['bytes'][hop] / 1e9:.3f} |")
+    f = result["batch_fields"]
+    total = sum(f.values())
+    lines += ["", "Per trajectory, by field (tiny world measured / SD1.5 computed, bytes):", "",
+              "| field | tiny | SD1.5 | share of SD1.5's row |", "| --- | --- | --- | --- |"]
+    for k, v in sd["row"].items():
+        lines.append(f"| {k} | {f.get(k, 0)} | {v} | {v / sum(sd['row'].values()):.1%} |")
+    last = result["epochs"][-1]
+    rows = result["config"]["batch_size"] * result["config"]["batches_per_epoch"]
+    lines += ["", f"Checkpoint by epoch (tiny, MB: learner / buffer, epochs of trajectories the buffer holds): " + "; ".join(
+        f"epoch {e['epoch']}: {e['checkpoint_learner'] / 1e6:.2f} / {e['checkpoint_buffer'] / 1e6:.2f} ({e['buffer_epochs_held']})"
+        for e in result["epochs"]) + ".",
+              "", f"The buffer's bytes in the checkpoint are {sd['checkpoint_inflation']:.2f}x the Arrow bytes of the epochs it "
+              "holds (torch.save's pickle protocol 2 writes bytes as latin-1 text); the SD1.5 checkpoint column applies that "
+              "factor to replay.max_epochs + 1 epochs of rows (the buffer keeps them whatever replay.mode), plus the LoRA and "
+              "Adam's moments.",
+              "", f"Row model against the tiny world's measurement: {rows} rows x {total} B = {rows * total / 1e6:.3f} MB; "
+              f"sampler->buffer measured {last['bytes']['sampler->buffer'] / 1e6:.3f} MB (Arrow framing, prompts, metadata: "
+              f"{last['bytes']['sampler->buffer'] / (rows * total) - 1:+.1%})."]
+    lines += ["", f"Tiny row total {total} B; the Arrow IPC form adds framing. Bytes the learner receives but never reads "
+              f"(images, seeds, rewards): tiny {result['epochs'][-1]['learner_unread_bytes'] / 1e6:.3f} MB an epoch, SD1.5 "
+              f"{sd['learner_unread_bytes'] / 1e9:.3f} GB an epoch."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(args.epochs)
+    sd = sd15(SD15_LORA_PARAMS, checkpoint_inflation(result))
+    folder = out_dir("data_path", args.out)
+    write_json(folder / "data_path.json", {"machine": machine(), "command": "python -m research.bench.data_path",
+                                           "tiny": result, "sd15": sd})
+    (folder / "data_path.md").write_text(table(result, sd))
+    print(table(result, sd))
+
+
+if __name__ == "__main__":
+    main()
