@@ -22,6 +22,7 @@ import ray
 from tqdm import tqdm
 
 from diffrlhf.actors.checkpoint import save_checkpoint
+from diffrlhf.actors.grid import grid_due, grid_rows
 from diffrlhf.actors.local_ray import init_ray  # noqa: F401  (re-exported: the CLI and tests start Ray from here)
 from diffrlhf.actors.observe import RunMetrics, Watchdog
 from diffrlhf.actors.placement import Placement
@@ -65,8 +66,7 @@ class Driver:
         self.learners: list = []
         self.learner = None  # rank 0: weights, checkpoints, LoRA folders
         self.buffer = None
-        self.samplers: list = []
-        self.rewards: list = []
+        self.samplers, self.rewards = [], []
         # the loop's state (run)
         self.weights: dict = {}  # policy version -> object ref of (version, flat LoRA)
         self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
@@ -74,9 +74,8 @@ class Driver:
         self.later: list = []  # (due time, PingTask)
         self.sampled: dict = {}  # (epoch, batch) -> (reward input ref, trajectories ref)
         self.scores: dict = {}  # (epoch, batch) -> ScoreResult, until the buffer add is sent
-        self._n, self._last_progress = 0, time.time()
-        self.t_run = 0.0
-        self.bar = None
+        self.grid_inputs: dict = {}  # epoch -> {batch: reward input ref}, for the epoch's image grid (actors/grid.py)
+        self._n, self._last_progress, self.t_run, self.bar = 0, time.time(), 0.0, None
         self.core_restarts = 0  # in-run restores after a learner or buffer death (system.max_core_restarts)
         self.carried: tuple | None = None  # (counters, t_run) at the death a restore continues from
 
@@ -146,8 +145,7 @@ class Driver:
             try:
                 return self._session()
             except CoreRoleDied as e:
-                limit = self.cfg.system.max_core_restarts
-                if self.core_restarts >= limit:
+                if self.core_restarts >= (limit := self.cfg.system.max_core_restarts):
                     raise RunFailed(with_hint(f"{e} (system.max_core_restarts={limit} spent)", resume_hint(self.cfg, self.run_dir))) from None
                 self._restore(e)
 
@@ -160,7 +158,7 @@ class Driver:
         print(f"[diffrlhf] {restore_line(e, done, self.core_restarts, self.cfg)}")
         self.sched, self.resume, self.resume_state, self.carried = EpochScheduler.from_config(self.cfg), False, state, live  # counters: resume.carry_counters
         self.records = [r for r in self.records if r["epoch"] < done]
-        self.weights, self.pending, self.watch, self.later, self.sampled, self.scores = {}, {}, {}, [], {}, {}
+        self.weights, self.pending, self.watch, self.later, self.sampled, self.scores, self.grid_inputs = {}, {}, {}, [], {}, {}, {}
         self.restarts = {f"{name} (before restore {self.core_restarts})": n for name, n in self.restarts.items()}  # still summed
         if self.logger is not None:
             self.logger.truncate(done)
@@ -222,7 +220,9 @@ class Driver:
             elif isinstance(t, ScoreTask):
                 ref = self.rewards[t.actor].score.remote(self.sampled[t.epoch, t.batch][0])
             elif isinstance(t, AddTask):
-                _, traj = self.sampled.pop((t.epoch, t.batch))
+                reward_input, traj = self.sampled.pop((t.epoch, t.batch))
+                if self.logger is not None and grid_due(self.cfg, t.epoch):
+                    self.grid_inputs.setdefault(t.epoch, {})[t.batch] = reward_input
                 ref = self.buffer.add_scored.remote(t.epoch, t.batch, traj, self.scores.pop((t.epoch, t.batch)))
             elif isinstance(t, UpdateTask):
                 self.sampled = {k: v for k, v in self.sampled.items() if k[0] != t.epoch}  # dropped batches' refs
@@ -370,9 +370,8 @@ class Driver:
         self.watchdog.reward(rec["reward_mean"])
         if self.logger is not None:
             self.logger.log(rec)
-            g = self.cfg.run.image_grid_every
-            if g and (epoch % g == 0 or epoch == self.cfg.train.epochs - 1):
-                self.logger.save_grid(summary["images"], summary["prompts"], f"epoch_{epoch:04d}")
+            if epoch in self.grid_inputs:
+                self.logger.save_grid(*grid_rows(self.grid_inputs.pop(epoch), self.cfg.system.idle_timeout_s), f"epoch_{epoch:04d}")
             self.logger.plot_reward_curve()
             self.logger.plot_reward_terms()
         if (epoch + 1) % self.cfg.run.save_every == 0 or epoch + 1 == self.cfg.train.epochs:

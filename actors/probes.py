@@ -4,7 +4,9 @@ every sampler, scores on reward actor 0, hands its result to the learners (and t
 returns the reward queries it made, which count as the run's."""
 from __future__ import annotations
 
+import numpy as np
 import ray
+import torch
 
 from diffrlhf.actors import oracle, recast_probe
 from diffrlhf.actors.ray_errors import error_text
@@ -16,9 +18,10 @@ def probe_callables(samplers: list, rewards: list, round_: int, weights, branche
     """sample, branch_all and score of a probe with the policy `weights` (an object ref of (version,
     flat LoRA)): the branches over every sampler, the scores on reward actor 0."""
 
-    def sample(prompts, seeds, ids):
+    def sample(prompts, seeds, ids):  # the recorded batch with its images (the probe scores them)
         plan = BatchPlan(-1, round_, prompts, seeds, ids)
-        return ray.get(samplers[0].sample.options(num_returns=3).remote(plan, weights)[2], timeout=timeout_s)
+        reward_input, batch = ray.get(samplers[0].sample.options(num_returns=3).remote(plan, weights)[1:], timeout=timeout_s)
+        return batch.with_(images=torch.from_numpy(np.asarray(reward_input["images"])))
 
     def branch_all(batch, jobs):
         refs = [samplers[i % len(samplers)].branch.remote(batch, k, branches, seeds, weights) for i, (k, seeds) in enumerate(jobs)]

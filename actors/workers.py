@@ -41,7 +41,8 @@ class SamplerWorker(Role):
 
     @timed
     def sample(self, plan, weights: tuple[int, FlatLoRA]):
-        """Returns (info, reward input, full batch): the reward actors get only images, prompts and ids.
+        """Returns (info, reward input, batch): the reward actors (and the image grid) get the images,
+        prompts and ids; the batch for the buffer and learners leaves the images out.
 
         `weights` is (version, flat LoRA), resolved by Ray from the learner's one broadcast object
         (its buffer a zero-copy view of the store); it is loaded only when the version changed.
@@ -53,7 +54,7 @@ class SamplerWorker(Role):
         batch = sample_plan(self.components, plan, self.settings, self.version, self.negative_embeds)
         reward_input = {"ids": batch.sample_ids.tolist(), "images": batch.images.numpy(), "prompts": batch.prompts}
         info = {"version": self.version, "rows": len(batch), "sample_s": time.perf_counter() - t0, "pid": os.getpid()}
-        return info, reward_input, batch
+        return info, reward_input, batch.without_images()
 
     @timed
     def branch(self, batch: TrajectoryBatch, step: int, num_branches: int, seeds, weights: tuple[int, FlatLoRA] | None = None):

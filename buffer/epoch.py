@@ -41,7 +41,8 @@ def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: Advanta
     learner/algorithms); every row was scored and counts in the summary either way.
     credit (optional, ReCAST): also the term advantages of each row (buffer/credit.py); the row's
     one advantage stays that of the weighted sum, which replay's |A| priority ranks by.
-    Returns the scored epoch and its summary (rewards, versions and a few images for the log)."""
+    Returns the scored epoch and its summary (rewards, versions; the image grid comes from the reward
+    inputs, actors/grid.py)."""
     parts = [p for p in parts if len(p)]
     if not parts:
         raise EmptyEpochError(f"epoch {epoch} has no scored trajectories left to train on: every reward was dropped "
@@ -53,8 +54,7 @@ def finalize_epoch(epoch: int, parts: list[TrajectoryBatch], advantages: Advanta
     trained = batch if train_rows is None else batch.select(train_rows(batch))
     replay.add(epoch, trained)
     summary = {"epoch": epoch, "samples": len(batch), "samples_trained": len(trained), "rewards": batch.rewards.tolist(),
-               "policy_versions": batch.policy_version.tolist(), "images": batch.images[:16].numpy(),
-               "prompts": batch.prompts[:16]}
+               "policy_versions": batch.policy_version.tolist()}
     if batch.reward_terms.shape[1]:
         summary["reward_terms"] = batch.reward_terms.tolist()
     return batch, summary

@@ -6,7 +6,7 @@ Each update trains on the current epoch plus `k` past trajectories chosen by `mo
   none      no replay (DDPO);
   hardmine  the k past trajectories with the largest |advantage| (ties: newest first, then order);
   random    k past trajectories uniformly at random (the ablation).
-Memory is bounded by max_epochs epochs, whatever the number of epochs run.
+Memory is bounded by max_epochs + 1 epochs (one without replay), whatever the number of epochs run.
 """
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ class ReplayBuffer:
         self.evict(current_epoch=epoch)
 
     def evict(self, current_epoch: int) -> None:
-        # Keep the current epoch and the max_epochs epochs before it.
-        for e in [e for e in self.epochs if e < current_epoch - self.max_epochs]:
+        # Keep the current epoch and the max_epochs epochs before it; without replay (mode none or
+        # k 0) nothing past is ever read, so only the current epoch (the checkpoint holds what is kept).
+        window = self.max_epochs if self.mode != "none" and self.k > 0 else 0
+        for e in [e for e in self.epochs if e < current_epoch - window]:
             del self.epochs[e]
 
     def past(self, current_epoch: int) -> TrajectoryBatch | None:

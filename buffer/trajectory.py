@@ -20,7 +20,7 @@ TENSOR_FIELDS = (
     "timesteps",  # [B, T] int64: the scheduler timestep of each transition
     "log_probs",  # [B, T] float32: log p(z_{i+1} | z_i) under the sampling policy (mean over elements)
     "prompt_embeds",  # [B, L, D] float32: text-encoder states of the prompt
-    "images",  # [B, H, W, 3] uint8: decoded z_0
+    "images",  # [B, H, W, 3] uint8: decoded z_0; [B, 0, 0, 3] once dropped (without_images)
     "seeds",  # [B] int64: the seed of the trajectory's noise
     "policy_version",  # [B] int64: learner version of the LoRA that sampled it
     "sample_ids",  # [B] int64: unique id, the key that rewards come back with
@@ -96,6 +96,11 @@ class TrajectoryBatch:
     def with_(self, **changes) -> "TrajectoryBatch":
         return replace(self, **changes)
 
+    def without_images(self) -> "TrajectoryBatch":
+        """The batch the buffer, the learners and the checkpoints hold: the images go to the reward
+        actors and the image grid only (no one downstream reads them; 18% of an SD1.5 row)."""
+        return self.with_(images=torch.zeros(len(self), 0, 0, 3, dtype=torch.uint8))
+
     @staticmethod
     def cat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
         batches = [b for b in batches if len(b)]
@@ -113,8 +118,8 @@ class TrajectoryBatch:
         cols = {"prompts": pa.array(self.prompts, pa.string())}
         for name in TENSOR_FIELDS:
             arr = getattr(self, name).detach().cpu().contiguous().numpy()
-            if name in _OPTIONAL_WIDTH and arr.shape[1] == 0:
-                continue  # pyarrow has no zero-width tensor column; absent reads back as [B, 0]
+            if (name in _OPTIONAL_WIDTH or name == "images") and arr.size == 0 and len(arr):
+                continue  # pyarrow has no zero-width tensor column; absent reads back as [B, 0] ([B, 0, 0, 3])
             if arr.ndim == 1:
                 cols[name] = pa.array(arr)
             else:
@@ -127,6 +132,9 @@ class TrajectoryBatch:
         meta = _json_loads((table.schema.metadata or {}).get(b"diffrlhf.meta", b"{}"))
         kw = {}
         for name in TENSOR_FIELDS:
+            if name == "images" and name not in table.column_names:
+                kw[name] = torch.zeros(table.num_rows, 0, 0, 3, dtype=torch.uint8)  # dropped before it was written
+                continue
             if name in ("replayed", *_OPTIONAL_WIDTH) and name not in table.column_names:
                 continue  # replayed: written before the field existed (format 1), no row is replay
             col = table.column(name).combine_chunks()

@@ -128,3 +128,35 @@ def test_saving_over_a_damaged_checkpoint_keeps_the_good_previous_one(tmp_path):
     save_checkpoint(tmp_path, state(3))
     assert epochs(load_checkpoint(tmp_path)) == 3
     assert epochs(torch.load(tmp_path / "checkpoint.prev" / "state.pt", weights_only=False)) == 1
+
+
+def test_bytes_are_saved_as_they_are_and_the_manifest_names_the_format(tmp_path):
+    """Format 2: the buffer's Arrow batches (bytes) take their own size on disk, not 1.5x (format 1,
+    torch.save's default protocol 2, wrote them as latin-1 text)."""
+    from diffrlhf.actors.checkpoint import FORMAT
+
+    blob = bytes(range(256)) * 4096  # 1 MiB, half of it bytes >= 0x80
+    path = save_checkpoint(tmp_path, {"buffer": {"epochs": {0: blob}}, "counters": {"epochs_done": 1}})
+    assert path.stat().st_size < 1.05 * len(blob)
+    assert json.loads((tmp_path / "checkpoint" / "manifest.json").read_text())["format"] == FORMAT == 2
+    assert load_checkpoint(tmp_path)["buffer"]["epochs"][0] == blob
+
+
+def test_a_format_1_checkpoint_still_loads(tmp_path):
+    """Written as before format 2: protocol 2, a manifest without a format."""
+    import hashlib
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    torch.save(state(3), folder / "state.pt", pickle_protocol=2)
+    data = (folder / "state.pt").read_bytes()
+    (folder / "manifest.json").write_text(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "epochs_done": 3}))
+    assert epochs(load_checkpoint(tmp_path)) == 3
+
+
+def test_a_newer_format_is_refused_naming_both_formats(tmp_path):
+    save_checkpoint(tmp_path, state(1))
+    m = tmp_path / "checkpoint" / "manifest.json"
+    m.write_text(json.dumps({**json.loads(m.read_text()), "format": 3}))
+    with pytest.raises(CheckpointError, match=r"checkpoint format 3, newer than this diffrlhf reads \(formats 1 to 2\): upgrade diffrlhf"):
+        load_checkpoint(tmp_path)

@@ -245,6 +245,12 @@ def test_hardmine_window_is_the_last_max_epochs_epochs_and_the_buffer_is_bounded
     for e in range(5, 40):
         buf.add(e, rows(e, [float(e), -1.0]))
         assert sorted(buf.epochs) == [e - 2, e - 1, e] and len(buf) == 6
+    # Without replay nothing past is read, so nothing past is kept: only the current epoch.
+    for mode, k in (("none", 3), ("hardmine", 0)):
+        plain = ReplayBuffer(max_epochs=2, mode=mode, k=k)
+        for e in range(4):
+            plain.add(e, rows(e, advs[e]))
+            assert sorted(plain.epochs) == [e] and plain.training_batch(e).sample_ids.tolist() == [100 * e, 100 * e + 1]
     # The window filter itself, apart from eviction: an epoch older than the window is never replayed
     # even while it is still stored (here stored by hand).
     buf.epochs[36] = rows(36, [1000.0, 1000.0])

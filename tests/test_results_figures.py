@@ -76,3 +76,12 @@ def test_the_bad_input_figures_are_the_benchmark_file():
     assert {(c["exit"], c["stderr_lines"], c["ray_started"], c["run_folder_left"]) for c in cases} == {(2, 1, False, False)}
     secs = [c["seconds"] for c in cases]
     assert f"{len(cases)} inputs" in RESULTS and f"exited 2 in {min(secs):.1f}-{max(secs):.1f} s" in RESULTS, (len(cases), min(secs), max(secs))
+
+
+def test_the_bytes_per_hop_table_is_the_data_path_files():
+    """Section "What does the distributed system cost", bytes per hop before and after (issue 51)."""
+    before, after = (json.loads((STUDY / "data_path" / f"data_path_{t}.json").read_text()) for t in ("before", "after"))
+    for hop in ("broadcast", "sampler->reward", "reward->buffer", "sampler->buffer", "buffer->learner", "checkpoint"):
+        cells = [f"{d['tiny']['epochs'][-1]['bytes'][hop] / 1e6:.3f}" for d in (before, after)]
+        cells += [f"{d['sd15']['bytes'][hop] / 1e9:.3f}" for d in (before, after)]
+        assert f"| {hop} | {' | '.join(cells)} |" in RESULTS, (hop, cells)

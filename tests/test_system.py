@@ -64,6 +64,24 @@ def lag1_run(tmp_path_factory):
     return run_dir, records, d.role_stats, gpu_ids
 
 
+def test_images_reach_the_reward_actors_and_the_grid_but_not_the_buffer_or_the_checkpoint(lag1_run):
+    """The decoded images go to the reward actors and the image grid only (issue 51): the buffer's
+    epochs in the checkpoint (what the learner's batches are cut from) hold none; the grids of the
+    due epochs (run.image_grid_every=2, and the last) are drawn from the reward inputs."""
+    import numpy as np
+    from PIL import Image
+
+    from diffrlhf.actors.checkpoint import load_checkpoint
+    from diffrlhf.buffer.trajectory import TrajectoryBatch
+
+    run = lag1_run[0]
+    held = [TrajectoryBatch.from_ipc_bytes(b) for b in load_checkpoint(run)["buffer"]["replay"]["epochs"].values()]
+    assert held and all(b.images.shape == (len(b), 0, 0, 3) and b.latents.numel() > 0 for b in held)
+    grids = sorted((run / "grids").iterdir())
+    assert [g.name for g in grids] == ["epoch_0000.png", "epoch_0002.png", "epoch_0003.png"]
+    assert all(np.asarray(Image.open(g)).std() > 0 for g in grids)
+
+
 def test_async_run_counts_queries_and_pins_policy_versions(lag1_run):
     run, records, role_stats, gpu_ids = lag1_run
     assert [r["reward_queries"] for r in records] == [8, 16, 24, 32]  # exact: every scored image once

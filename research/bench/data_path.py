@@ -1,6 +1,6 @@
 """Bytes per epoch per hop of the data path (issue 51, step 2: the "before" table).
 
-    python -m research.bench.data_path [--epochs 5] [--out DIR]
+    python -m research.bench.data_path --tag after [--epochs 5] [--out DIR]
 
 Measured on the tiny world: the four roles' classes run in this process (the same methods the Ray
 actors run, actors/workers.py), and each payload that crosses a process boundary in the Ray system
@@ -18,7 +18,8 @@ Each payload is also split by field, so the table shows which fields a hop carri
 never reads (the learner does not read `images`). For SD1.5 at 512 px and 50 steps the same
 payloads are computed from the fields' shapes and dtypes (`row_bytes`); the model is checked against
 the tiny world's measured batch (the Arrow framing is the only difference).
-Writes data_path.json and data_path.md into research/results/data_path/ or --out.
+Writes data_path_<tag>.json and .md into research/results/data_path/ or --out (committed: "before",
+at d97af19, and "after" the data-path change of issue 51 step 3).
 """
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ def wire_bytes(obj) -> int:
 
 
 def saved_bytes(obj) -> int:
+    """The bytes of obj as actors/checkpoint.py writes it (its pickle protocol)."""
+    from diffrlhf.actors.checkpoint import PICKLE_PROTOCOL
+
     f = io.BytesIO()
-    torch.save(obj, f)
+    torch.save(obj, f, pickle_protocol=PICKLE_PROTOCOL)
     return f.tell()
 
 
@@ -109,39 +113,46 @@ def measure(epochs: int) -> dict:
     model = row_bytes(t, shape, batch.prompt_embeds.shape[1], batch.prompt_embeds.shape[2], batch.images.shape[1])
     return {"config": {"preset": "tiny", "batch_size": cfg.sample.batch_size, "batches_per_epoch": cfg.sample.batches_per_epoch,
                        "num_samplers": cfg.system.num_samplers, "steps": t, "latent_shape": shape, "image_px": batch.images.shape[1],
-                       "replay": cfg.replay.mode},
+                       "replay": {k: getattr(cfg.replay, k) for k in ("mode", "k", "max_epochs")}},
             "epochs": per_epoch, "batch_fields": {k: v // b for k, v in fields.items()}, "row_model": model,
             "lora_params": int(weights[1].numel)}
 
 
 def checkpoint_inflation(result: dict) -> float:
     """The buffer's bytes in the checkpoint over the Arrow bytes of the epochs it holds (last epoch):
-    torch.save pickles with protocol 2, where a bytes object is written as a latin-1 string, so
-    every byte >= 0x80 takes two."""
+    1.53x with checkpoint format 1 (pickle protocol 2 writes a bytes object as latin-1 text, every
+    byte >= 0x80 taking two), about 1 with format 2."""
     last = result["epochs"][-1]
     return last["checkpoint_buffer"] / (last["buffer_epochs_held"] * last["bytes"]["sampler->buffer"])
 
 
-def sd15(lora_params: int, inflation: float) -> dict:
-    """The same hops for the sd15-ddpo preset's shapes (512 px, 50 steps, 256 samples an epoch)."""
+def sd15(lora_params: int, result: dict) -> dict:
+    """The same hops for the sd15-ddpo preset's shapes (512 px, 50 steps, 256 samples an epoch), with
+    what the code does as measured on the tiny world: the fields each hop carries (those with bytes
+    there), the epochs the buffer holds at its steady state (the same replay settings: checked) and
+    the checkpoint's bytes per Arrow byte."""
     from diffrlhf.deploy.config import load_config
 
     cfg = load_config("sd15-ddpo")
-    s = cfg.sample
+    replay = {k: getattr(cfg.replay, k) for k in ("mode", "k", "max_epochs")}
+    if replay != result["config"]["replay"]:
+        raise SystemExit(f"sd15-ddpo's replay settings {replay} differ from the measured tiny run's {result['config']['replay']}")
+    s, last = cfg.sample, result["epochs"][-1]
     row = row_bytes(s.num_steps, (4, s.resolution // 8, s.resolution // 8), 77, 768, s.resolution)
     n = s.batch_size * s.batches_per_epoch
-    per_row = sum(row.values())
+    carried = sum(v for k, v in row.items() if result["batch_fields"].get(k, 0) > 0)  # the buffer's and learner's row
     reward_row = row["images"] + row["sample_ids"] + 40  # the prompt text: a few tens of bytes
     return {"config": {"preset": "sd15-ddpo", "samples_per_epoch": n, "steps": s.num_steps, "resolution": s.resolution,
                        "num_samplers": cfg.system.num_samplers, "lora_rank": cfg.model.lora_rank},
             "row": row,
             "bytes": {"broadcast": lora_params * 4 * cfg.system.num_samplers, "sampler->reward": reward_row * n,
-                      "reward->buffer": 16 * n, "sampler->buffer": per_row * n, "buffer->learner": per_row * n,
-                      # the buffer keeps the current epoch and replay.max_epochs before it, whatever replay.mode
-                      # (buffer/replay.py); the learner's LoRA plus Adam's two moments, fp32
-                      "checkpoint": round((cfg.replay.max_epochs + 1) * per_row * n * inflation) + 3 * 4 * lora_params},
-            "checkpoint_inflation": inflation,
-            "learner_unread_bytes": (row["images"] + row["seeds"] + row["rewards"] + row["reward_terms"]) * n}
+                      "reward->buffer": 16 * n, "sampler->buffer": carried * n, "buffer->learner": carried * n,
+                      # the epochs of rows the buffer holds, at the measured bytes per Arrow byte; the learner's
+                      # LoRA plus Adam's two moments, fp32
+                      "checkpoint": round(last["buffer_epochs_held"] * carried * n * checkpoint_inflation(result)) + 3 * 4 * lora_params},
+            "checkpoint_inflation": checkpoint_inflation(result),
+            "learner_unread_bytes": sum(row[k] for k in ("images", "seeds", "rewards", "reward_terms")
+                                        if result["batch_fields"].get(k, 0) > 0) * n}
 
 
 def table(result: dict, sd: dict) -> str:
@@ -162,14 +173,14 @@ def table(result: dict, sd: dict) -> str:
         f"epoch {e['epoch']}: {e['checkpoint_learner'] / 1e6:.2f} / {e['checkpoint_buffer'] / 1e6:.2f} ({e['buffer_epochs_held']})"
         for e in result["epochs"]) + ".",
               "", f"The buffer's bytes in the checkpoint are {sd['checkpoint_inflation']:.2f}x the Arrow bytes of the epochs it "
-              "holds (torch.save's pickle protocol 2 writes bytes as latin-1 text); the SD1.5 checkpoint column applies that "
-              "factor to replay.max_epochs + 1 epochs of rows (the buffer keeps them whatever replay.mode), plus the LoRA and "
-              "Adam's moments.",
+              f"holds (checkpoint format 1, torch.save's pickle protocol 2, wrote bytes as latin-1 text: 1.53x); the SD1.5 "
+              f"checkpoint column applies that factor to the {last['buffer_epochs_held']} epoch(s) of rows the buffer holds at "
+              "its steady state here (the same replay settings), plus the LoRA and Adam's moments.",
               "", f"Row model against the tiny world's measurement: {rows} rows x {total} B = {rows * total / 1e6:.3f} MB; "
               f"sampler->buffer measured {last['bytes']['sampler->buffer'] / 1e6:.3f} MB (Arrow framing, prompts, metadata: "
               f"{last['bytes']['sampler->buffer'] / (rows * total) - 1:+.1%})."]
     lines += ["", f"Tiny row total {total} B; the Arrow IPC form adds framing. Bytes the learner receives but never reads "
-              f"(images, seeds, rewards): tiny {result['epochs'][-1]['learner_unread_bytes'] / 1e6:.3f} MB an epoch, SD1.5 "
+              f"(images if carried, seeds, rewards): tiny {result['epochs'][-1]['learner_unread_bytes'] / 1e6:.3f} MB an epoch, SD1.5 "
               f"{sd['learner_unread_bytes'] / 1e9:.3f} GB an epoch."]
     return "\n".join(lines) + "\n"
 
@@ -178,14 +189,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", required=True, help="names the files: data_path_<tag>.json / .md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     result = measure(args.epochs)
-    sd = sd15(SD15_LORA_PARAMS, checkpoint_inflation(result))
+    sd = sd15(SD15_LORA_PARAMS, result)
     folder = out_dir("data_path", args.out)
-    write_json(folder / "data_path.json", {"machine": machine(), "command": "python -m research.bench.data_path",
-                                           "tiny": result, "sd15": sd})
-    (folder / "data_path.md").write_text(table(result, sd))
+    write_json(folder / f"data_path_{args.tag}.json", {"machine": machine(), "command": f"python -m research.bench.data_path --tag {args.tag}",
+                                                      "tiny": result, "sd15": sd})
+    (folder / f"data_path_{args.tag}.md").write_text(table(result, sd))
     print(table(result, sd))
 
 
