@@ -424,3 +424,41 @@ def test_the_row_byte_model_is_the_trajectory_contracts_fields():
     raw = sum(field_bytes(batch).values())
     assert raw < wire_bytes(batch) < raw + 8192
     assert 4000 <= wire_bytes(np.zeros(1000, np.float32)) < 4200  # numpy out of band, as Ray's store holds it
+
+
+# ----------------------------------------------------------------------------- GPU memory, counted (research/bench/gpu_memory.py)
+
+
+def test_the_live_peak_follows_tensors_until_they_are_freed():
+    import torch
+
+    from research.bench.gpu_memory import LivePeak
+
+    x = torch.empty(1000, device="meta")  # made before the mode: not counted
+    with LivePeak() as mode:
+        y = x * 2  # 4000 B live
+        z = y + 1  # 8000 B live
+        del y  # 4000 B
+        w = z * 3  # 8000 B again: the peak stays 8000
+        del z, w
+    assert mode.peak == 8000 and mode.live == 0
+
+
+def test_saved_activations_leave_out_the_weights_and_count_what_backward_keeps():
+    """A bias-free linear layer y = x W^T with W trainable saves only its input x for W's gradient
+    (W itself, saved for x's gradient, is a parameter: not new memory)."""
+    import torch
+
+    from research.bench import gpu_memory
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 8, bias=False, device="meta")
+
+        def forward(self, x, t, encoder_hidden_states):
+            return type("Out", (), {"sample": self.lin(x.float().flatten(1)[:, :16])})()
+
+    rows, latent = 3, 2  # x: [3, 4, 2, 2] -> the first 16 of its 16 values per row
+    counted = gpu_memory.learner_activations(Net(), rows, latent)
+    assert counted["saved_bytes"] == rows * 16 * 4  # the fp32 input of the linear layer, nothing else

@@ -85,3 +85,11 @@ def test_the_bytes_per_hop_table_is_the_data_path_files():
         cells = [f"{d['tiny']['epochs'][-1]['bytes'][hop] / 1e6:.3f}" for d in (before, after)]
         cells += [f"{d['sd15']['bytes'][hop] / 1e9:.3f}" for d in (before, after)]
         assert f"| {hop} | {' | '.join(cells)} |" in RESULTS, (hop, cells)
+
+
+def test_the_gpu_memory_table_is_its_file():
+    """Section "What is known at SD1.5's size?": the counted GPU memory per role."""
+    roles = json.loads((STUDY / "sd15_size" / "gpu_memory.json").read_text())["roles"]
+    for name, prefix in (("learner", "| learner (micro-batch 4"), ("sampler", "| sampler (batch 8")):
+        row = next(ln for ln in RESULTS.splitlines() if ln.strip().startswith(prefix))
+        assert f"{roles[name]['activations'] / 1e9:.2f} GB" in row and f"{roles[name]['total'] / 1e9:.2f} GB |" in row, (name, row)
