@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -48,13 +49,16 @@ def head(tmp_path_factory):
     if RAY is None:
         pytest.skip("the ray CLI is not installed beside this Python")
     tmp = tmp_path_factory.mktemp("head")
+    # Ray's socket paths under --temp-dir must fit in 107 bytes; pytest's tmp paths can be longer
+    # (e.g. under pytest-xdist's per-worker folders): a short folder beside the suite's sandbox.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="js-", dir=os.environ.get("RAY_TMPDIR")))
     gcs, dashboard, client, agent = free_ports(4)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp / "head.log", "w")
     proc = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}",
                              "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}",
-                             f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", f"--temp-dir={tmp / 'ray'}",
+                             f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", f"--temp-dir={ray_tmp}",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     deadline = time.time() + 240
