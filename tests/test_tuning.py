@@ -83,3 +83,20 @@ def test_results_quotes_the_plan_it_was_committed_with():
 
     results = (Path(__file__).resolve().parents[1] / "RESULTS.md").read_text()
     assert f"Plan digest `{tuning.plan_digest()}`" in results
+
+
+def test_confirmatory_runs_are_the_chosen_setting_on_the_confirm_seeds_each_beside_its_control(tmp_path):
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"])
+    best = tuning.settings()[2]
+    for j in jobs:
+        gain = 1.0 if j["setting"] == best else 0.5
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, gain, gain, gain], 1.0)
+    confirm, waiting = tuning.confirm_jobs(tmp_path)
+    assert "jpeg_compressibility / ddpo" not in waiting and "jpeg_compressibility / latent_sq" in waiting
+    assert len(waiting) == len(tuning.PLAN["rewards"]) * len(tuning.PLAN["variants"]) - 1
+    assert [(j["seed"], j["reward"]) for j in confirm] == [(s, r) for s in tuning.PLAN["confirm_seeds"]
+                                                           for r in ("jpeg_compressibility", "jpeg_compressibility_shuffled")]
+    assert all(j["setting"] == best and j["variant"] == "ddpo" and j["stage"] == "confirm" for j in confirm)
+    assert not {j["seed"] for j in confirm} & set(tuning.PLAN["tuning_seeds"])  # fresh seeds only
+    assert tuning.job_path(tmp_path, confirm[1]) == (tmp_path / "confirm" / tuning.setting_tag(best) / "runs"
+                                                     / "jpeg_compressibility_shuffled" / "uniform__none" / "seed200.json")

@@ -4,6 +4,7 @@ confirmed at its best setting on fresh seeds beside shuffled-reward controls.
     python -m research.bench.tuning plan                       # the pre-registered plan, as RESULTS quotes it
     python -m research.bench.tuning status [--stage tune]      # done / left per reward and variant, CPU time left
     python -m research.bench.tuning run --stage tune [--reward R ...] [--variant V ...] [--jobs 2] [--max-runs N]
+    python -m research.bench.tuning run --stage confirm [...]  # the chosen settings on the confirm seeds, with controls
     python -m research.bench.tuning report                     # the tuning table (and each variant's chosen setting)
 
 PLAN is the plan: written and committed before any confirmatory run, never edited after (its
@@ -91,6 +92,26 @@ def tuning_jobs(rewards=None, variants=None) -> list[dict]:
                 for s in settings():
                     jobs.append({"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
     return jobs
+
+
+def confirm_jobs(out: Path, rewards=None, variants=None) -> tuple[list[dict], list[str]]:
+    """The confirmatory runs (PLAN): each variant at the setting tuning chose for it, on every confirm
+    seed, each beside its shuffled-reward control at the same setting; seed-major like tuning. Also
+    the reward / variant cells whose tuning is not complete (no confirmatory run for them yet)."""
+    table = tuning_table(out)
+    jobs, waiting = [], []
+    for seed in PLAN["confirm_seeds"]:
+        for reward in rewards or PLAN["rewards"]:
+            for variant in variants or PLAN["variants"]:
+                cell = table[f"{reward} / {variant}"]
+                if cell["chosen"] is None:
+                    if seed == PLAN["confirm_seeds"][0]:
+                        waiting.append(f"{reward} / {variant}")
+                    continue
+                setting = next(r["setting"] for r in cell["rows"] if r["tag"] == cell["chosen"])
+                for scored in (reward, f"{reward}_shuffled"):  # the run, then its drift control
+                    jobs.append({"stage": "confirm", "reward": scored, "variant": variant, "setting": setting, "seed": seed})
+    return jobs, waiting
 
 
 def job_path(out: Path, job: dict) -> Path:
@@ -239,7 +260,8 @@ def plan_markdown() -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m research.bench.tuning", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["plan", "status", "run", "report"])
-    ap.add_argument("--stage", choices=["tune"], default="tune", help="the confirmatory stage comes once tuning is complete")
+    ap.add_argument("--stage", choices=["tune", "confirm"], default="tune",
+                    help="confirm: each variant at its chosen setting on the confirm seeds, with controls (once its tuning is complete)")
     ap.add_argument("--reward", nargs="+", choices=PLAN["rewards"])
     ap.add_argument("--variant", nargs="+", choices=list(PLAN["variants"]))
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one torch thread each")
@@ -248,6 +270,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     jobs = tuning_jobs(args.reward, args.variant)
+    if args.stage == "confirm" and args.command in ("status", "run"):
+        jobs, waiting = confirm_jobs(out, args.reward, args.variant)
+        if waiting:
+            log("tuning", "tuning not complete, no confirmatory runs yet for: " + ", ".join(waiting))
     if args.command == "plan":
         print(plan_markdown())
         return PLAN
