@@ -63,10 +63,8 @@ class Driver:
         self.watchdog = Watchdog(role_timeout_s=cfg.system.idle_timeout_s / 2, queue_timeout_s=cfg.system.idle_timeout_s / 2)
         self.placement = Placement(cfg)
         # the actors (start_actors)
-        self.learners: list = []
-        self.learner = None  # rank 0: weights, checkpoints, LoRA folders
-        self.buffer = None
-        self.samplers, self.rewards = [], []
+        self.learner, self.buffer = None, None  # learner: rank 0 (weights, checkpoints, LoRA folders)
+        self.learners, self.samplers, self.rewards = [], [], []
         # the loop's state (run)
         self.weights: dict = {}  # policy version -> object ref of (version, flat LoRA)
         self.pending: dict = {}  # ObjectRef -> (task, submitted at, submission number, extra refs)
@@ -76,8 +74,8 @@ class Driver:
         self.scores: dict = {}  # (epoch, batch) -> ScoreResult, until the buffer add is sent
         self.grid_inputs: dict = {}  # epoch -> {batch: reward input ref}, for the epoch's image grid (actors/grid.py)
         self._n, self._last_progress, self.t_run, self.bar = 0, time.time(), 0.0, None
-        self.core_restarts = 0  # in-run restores after a learner or buffer death (system.max_core_restarts)
-        self.carried: tuple | None = None  # (counters, t_run) at the death a restore continues from
+        # in-run restores after a learner or buffer death (system.max_core_restarts); (counters, t_run) at the death
+        self.core_restarts, self.carried = 0, None
 
     @property
     def counters(self) -> dict:
@@ -178,6 +176,8 @@ class Driver:
                 self.logger.truncate(self.sched.epochs_done)
         else:
             self.weights = {0: self.learner.weights.remote()}  # version 0: the initial LoRA
+            if (err := outcome(self.weights[0])[1]) is not None:  # else each sampling call fails on it, like a dead sampler
+                raise CoreRoleDied(f"the learner actor died: {error_text(err)}", "learner")
             self._probes(0, self.weights[0])
         # wall_s continues over a resume; over an in-run restore, the time lost to the death counts too
         self.t_run = self.carried[1] if self.carried else time.time() - (state["wall_s"] if state else 0.0)

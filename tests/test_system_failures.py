@@ -43,6 +43,27 @@ def test_a_learner_that_dies_at_every_checkpoint_save_spends_the_restores_then_n
     assert "restoring every role from the start (no checkpoint yet), within the run (restart 1 of system.max_core_restarts=1)" in out
 
 
+def learner_dying_at_its_first_weights():
+    class DyingLearner(LearnerWorker):  # dies before the samplers get version 0 (e.g. killed while they wait)
+        def weights(self):
+            os._exit(1)
+
+    return DyingLearner
+
+
+def test_a_learner_dead_before_its_first_weights_is_named_not_taken_for_dead_samplers(tmp_path, capsys):
+    """The samplers' first calls wait on the learner's initial weights: its death must be the
+    learner's (restored, then stopping when the restores are spent), not a sampler death per call
+    until every batch is dropped (what the fault benchmark saw)."""
+    cfg = cfg_with("train.epochs=1", "system.num_samplers=1", "system.max_core_restarts=1")
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner_dying_at_its_first_weights()})
+    with pytest.raises(RunFailed, match=r"the learner actor died: .*max_core_restarts=1 spent"):
+        d.run()
+    d.shutdown()
+    out = capsys.readouterr().out
+    assert "restoring every role from the start (no checkpoint yet)" in out and "sampler-0 died" not in out
+
+
 def hanging_sampler():
     class HangingSampler(SamplerWorker):
         def sample(self, plan, weights):

@@ -83,7 +83,7 @@ class Injector(threading.Thread):
         self.at: dict | None = None  # where the fault landed, once injected
 
     def run(self) -> None:
-        while not hasattr(self.d, "t_run"):
+        while not self.d.t_run:  # set once the actors have started (Driver.run)
             if self.stopped.wait(0.05):
                 return
         if self.stopped.wait(self.delay):
