@@ -18,9 +18,15 @@ def cfg_with(*extra):
     return load_config("tiny", overrides=SMALL + list(extra))
 
 
-def start_local_ray(ray):
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray per importing module (a module that imports this fixture gets it, autouse)."""
+    import ray
+
     ray.shutdown()
     ray.init(address="local", num_cpus=6, num_gpus=2, include_dashboard=False, log_to_driver=False)  # fake GPUs
+    yield
+    ray.shutdown()
 
 
 def final_lora(run_dir):

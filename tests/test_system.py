@@ -11,16 +11,9 @@ ray = pytest.importorskip("ray")
 from diffrlhf.actors.checkpoint import load_checkpoint  # noqa: E402
 from diffrlhf.actors.driver import Driver, RunFailed  # noqa: E402
 from diffrlhf.actors.workers import SamplerWorker  # noqa: E402
-from system_support import cfg_with, final_lora, start_local_ray  # noqa: E402
+from system_support import cfg_with, final_lora, local_ray  # noqa: E402,F401  (its module-wide local Ray)
 
 pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in other processes (not in -m quick)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_local_ray(ray)
-    yield
-    ray.shutdown()
 
 LAG1 = ("train.epochs=4", "system.max_policy_lag=1", "system.max_inflight_per_sampler=2", "run.image_grid_every=2")
 

@@ -10,16 +10,9 @@ ray = pytest.importorskip("ray")
 from diffrlhf.actors.driver import Driver, RunFailed  # noqa: E402
 from diffrlhf.actors.workers import LearnerWorker, RewardWorker, SamplerWorker  # noqa: E402
 from diffrlhf.rewards.serving import RewardServer  # noqa: E402
-from system_support import assert_matches_reference, cfg_with, start_local_ray  # noqa: E402
+from system_support import assert_matches_reference, cfg_with, local_ray  # noqa: E402,F401  (its module-wide local Ray)
 
 pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in other processes (not in -m quick)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_local_ray(ray)
-    yield
-    ray.shutdown()
 
 
 
