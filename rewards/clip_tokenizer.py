@@ -86,10 +86,19 @@ def write_clip_tokenizer(folder: Path, bpe_path: str | Path | None = None) -> Pa
 
 
 def load_tokenizer_folder(folder: str | Path):
+    """A model folder's CLIP tokenizer. Loaded once per process for the same files (parsing the BPE
+    merges takes ~0.3 s, once per model load otherwise); a tokenizer is only read after loading."""
+    folder = Path(folder).resolve()
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.iterdir()) if f.is_file())
+    return _load_tokenizer_files(str(folder), files)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer_files(folder: str, files: tuple):  # files: the cache key (a rewritten folder is loaded again)
     from transformers import CLIPTokenizer
 
     # from_pretrained, not CLIPTokenizer(vocab_file=...): the latter silently ignores the files in transformers 5.
-    return CLIPTokenizer.from_pretrained(str(folder), model_max_length=77)
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
 
 
 def _clean(text: str) -> str:

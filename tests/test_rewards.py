@@ -135,6 +135,22 @@ def test_clip_tokenizer_ids_and_truncation():
     assert ids[2, 0] == SOT and ids[2, -1] == EOT and (ids[2] != 0).all()
 
 
+def test_a_model_folders_tokenizer_is_loaded_once_per_process_until_its_files_change(tmp_path):
+    """load_tokenizer_folder caches per folder and file identity: the same files give the same
+    tokenizer object; a rewritten file gives a fresh load of the new content."""
+    import json
+
+    from diffrlhf.rewards.clip_tokenizer import load_tokenizer_folder, write_clip_tokenizer
+
+    folder = write_clip_tokenizer(tmp_path / "tokenizer")
+    first = load_tokenizer_folder(folder)
+    assert load_tokenizer_folder(str(folder)) is first
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, do_lower_case=False)) + " ")
+    again = load_tokenizer_folder(folder)
+    assert again is not first and again("a cat").input_ids == first("a cat").input_ids
+
+
 def test_bert_tokenizer_blip_conventions():
     parity_dir = PARITY_DIR
     from diffrlhf.rewards.imagereward import load_bert_tokenizer, tokenize
