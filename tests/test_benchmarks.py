@@ -84,6 +84,7 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads, capsys):
     from research.bench import study
 
@@ -171,6 +172,7 @@ def test_systems_tiny_overhead_and_overlap(tmp_path):
     assert (tmp_path / "overlap.png").exists() and res["overlap"]["num_samplers"] == 1
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_gpu_bench_tiny_on_cpu(tmp_path):
     from research.bench import gpu
 

@@ -110,6 +110,7 @@ def run_folder(tmp_path, tiny, num_steps: int):
     return run
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_sample_and_eval_commands_on_a_run_folder(tmp_path, tiny):
     from diffrlhf.deploy.evaluate import cmd_eval, cmd_sample, format_table
     from diffrlhf.learner.lora import save_lora

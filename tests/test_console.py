@@ -103,7 +103,7 @@ def _train(address, tmp_path, *args):
     import subprocess
     import sys
 
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DIFFRLHF_CACHE": str(tmp_path / "cache"), "RAY_ADDRESS": address}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": address}  # the suite's cache: the tiny model built once
     done = subprocess.run([sys.executable, "-m", "diffrlhf.deploy.cli", "train", "--no-progress", *args], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -121,6 +121,7 @@ def test_probe_settings_are_checked():
         load_config("tiny", overrides=[*TINY, "weighting.oracle_trajectories=1"])
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_the_study_recomputes_the_profile_a_finished_oracle_run_trained_with(monkeypatch):
     """research/bench/closeness reads a saved study run and recomputes its round-0 probe: the profile must
     be the one the run's learner was given (same prompts, noise, policy and reward), not a fresh measurement."""

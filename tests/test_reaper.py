@@ -42,7 +42,7 @@ def test_end_tree_ends_a_process_and_descendants_that_ignore_sigterm():
 
 @pytest.mark.integration
 def test_nothing_of_a_local_ray_is_left_soon_after_the_cli_is_killed(tmp_path):
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DIFFRLHF_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}  # the suite's cache: the tiny model built once per test run
     env.pop("RAY_ADDRESS", None)
     out_dir, tree = tmp_path / "runs", []
     cli = subprocess.Popen([sys.executable, "-m", "diffrlhf.deploy.cli", "train", "--no-progress", *SMALL,

@@ -2,6 +2,8 @@
 same weights, every run a valid config, and the plan quoted in RESULTS by its digest."""
 from pathlib import Path
 
+import pytest
+
 from diffrlhf.deploy.config import load_config
 from research.bench import recast_study as rs
 from research.bench import tuning
@@ -26,6 +28,7 @@ def test_results_quotes_the_plan_it_was_committed_with():
     assert f"Plan digest `{rs.plan_digest()}`" in results
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_the_runner_saves_a_real_and_a_control_run_with_each_rewards_held_out_mean(tmp_path):
     import json
 

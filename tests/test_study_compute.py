@@ -19,6 +19,7 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_compute_suite_counts_passes_and_reaches_on_every_axis(tmp_path, keep_torch_threads):
     args = ["--size", "tiny", "--out", str(tmp_path), "--threads", "1", "--suite", "compute", "--only", "ddpo", "method weighted 0.25"]
     study.main(args)

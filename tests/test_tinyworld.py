@@ -166,6 +166,7 @@ def test_the_tiny_world_denoises(tiny_world_folder):
     assert 0.6 < float(batch.latents[:, -1].std()) < 1.6  # the VAE's latent std on real data is ~1.0
 
 
+@pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_pretraining_script_runs_and_writes_a_loadable_model(tmp_path, monkeypatch):
     """The script that made the committed weights runs end to end (at a few steps) and what it
     writes verifies against its recorded digest, assembles and samples."""
