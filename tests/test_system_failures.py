@@ -1,6 +1,7 @@
 """The Ray system when things fail (deaths at a checkpoint, stalls, empty epochs, impossible requests,
 actors that cannot start, a dead learner rank), on the tiny random model, in one local Ray with fake GPUs."""
 import os
+import re
 import time
 
 import pytest
@@ -16,45 +17,38 @@ pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in o
 
 
 
-def learner_dying_in_checkpoint():
-    class DyingLearner(LearnerWorker):  # dies when the driver reads its state for the checkpoint
-        def state_dict(self):
+def learner_dying_at_its_first_weights_then_at_every_checkpoint_save(marker):
+    class DyingLearner(LearnerWorker):
+        def weights(self):  # the first incarnation dies before the samplers get version 0
+            if not marker.exists():
+                marker.write_text("died")
+                os._exit(1)
+            return super().weights()
+
+        def state_dict(self):  # every incarnation dies when the driver reads its state for the checkpoint
             os._exit(1)
 
     return DyingLearner
 
 
-def test_a_learner_that_dies_at_every_checkpoint_save_spends_the_restores_then_names_the_resume_command(tmp_path, capsys):
-    """No checkpoint yet: the restore starts the run over; when system.max_core_restarts are spent
-    the run stops, saying so and what to do."""
+def test_a_learner_dead_before_its_first_weights_is_restored_then_dying_at_the_save_spends_the_restores(tmp_path, capsys):
+    """One run, two learner deaths (each Ray run costs its actors' start-up):
+    1. before its first weights, while the samplers' first calls wait on them: the death is the
+       learner's (restored from the start: no checkpoint yet), not a sampler death per call until
+       every batch is dropped (what the fault benchmark saw);
+    2. the restored learner dies while the driver saves the checkpoint: system.max_core_restarts=1
+       is spent and the run stops, saying so and what to do."""
     cfg = cfg_with("train.epochs=2", "system.max_policy_lag=0", "system.num_samplers=1", "system.max_core_restarts=1")
-    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner_dying_in_checkpoint()})
+    learner = learner_dying_at_its_first_weights_then_at_every_checkpoint_save(tmp_path / "first-death")
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner})
     with pytest.raises(RunFailed, match=r"(?s)died while the driver saved the run.*max_core_restarts=1 spent.*No checkpoint was written yet"):
         d.run()
     d.shutdown()
     out = capsys.readouterr().out
-    assert "restoring every role from the start (no checkpoint yet), within the run (restart 1 of system.max_core_restarts=1)" in out
-
-
-def learner_dying_at_its_first_weights():
-    class DyingLearner(LearnerWorker):  # dies before the samplers get version 0 (e.g. killed while they wait)
-        def weights(self):
-            os._exit(1)
-
-    return DyingLearner
-
-
-def test_a_learner_dead_before_its_first_weights_is_named_not_taken_for_dead_samplers(tmp_path, capsys):
-    """The samplers' first calls wait on the learner's initial weights: its death must be the
-    learner's (restored, then stopping when the restores are spent), not a sampler death per call
-    until every batch is dropped (what the fault benchmark saw)."""
-    cfg = cfg_with("train.epochs=1", "system.num_samplers=1", "system.max_core_restarts=1")
-    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"learner": learner_dying_at_its_first_weights()})
-    with pytest.raises(RunFailed, match=r"the learner actor died: .*max_core_restarts=1 spent"):
-        d.run()
-    d.shutdown()
-    out = capsys.readouterr().out
-    assert "restoring every role from the start (no checkpoint yet)" in out and "sampler-0 died" not in out
+    assert (tmp_path / "first-death").exists() and "sampler-0 died" not in out
+    restores = [line for line in out.splitlines() if "restoring every role" in line]
+    assert len(restores) == 1 and re.search(r"the learner actor died: .*; restoring every role from the start \(no checkpoint "
+                                            r"yet\), within the run \(restart 1 of system.max_core_restarts=1\)$", restores[0]), out
 
 
 def hanging_sampler():
