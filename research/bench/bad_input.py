@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from research.bench.common import log, machine, out_dir, write_json
+from research.bench.common import log, machine, out_dir, sandbox_env, write_json
 
 BAD_REWARDS = '''
 import numpy as np
@@ -52,12 +52,8 @@ CASES = [
 
 def run_case(args: list[str], timeout_s: float = 300.0) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="drl-bad-"))
-    env = dict(os.environ)
-    for var, sub in [("HOME", "home"), ("DIFFRLHF_CACHE", "cache"), ("HF_HOME", "hf"), ("XDG_CACHE_HOME", "home/.cache"),
-                     ("RAY_TMPDIR", "ray"), ("DIFFRLHF_REWARD_ENVS", "envs")]:
-        (tmp / sub).mkdir(parents=True, exist_ok=True)
-        env[var] = str(tmp / sub)
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=f"{tmp}{os.pathsep}{env.get('PYTHONPATH', '')}", RAY_USAGE_STATS_ENABLED="0")
+    env = sandbox_env(tmp, extra=(("HF_HOME", "hf"), ("DIFFRLHF_REWARD_ENVS", "envs")))
+    env["PYTHONPATH"] = f"{tmp}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.pop("RAY_ADDRESS", None)
     (tmp / "my_bad_reward.py").write_text(BAD_REWARDS)
     (tmp / "bad.yaml").write_text("train:\n  lr: 0.1\n  epochs: [1, 2\n")

@@ -23,6 +23,19 @@ TINY_OVERRIDES = [
 ]
 
 
+def sandbox_env(tmp: Path, extra: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The environment for a CLI run in a fresh sandbox under tmp, as a new user's machine has it:
+    HOME, the project's and HOME-based caches and Ray's temp dir (plus `extra` (variable, subfolder)
+    pairs) in empty folders, offline, no usage stats."""
+    env = dict(os.environ)
+    for var, sub in [("HOME", "home"), ("DIFFRLHF_CACHE", "cache"), ("XDG_CACHE_HOME", "home/.cache"), ("RAY_TMPDIR", "ray"),
+                     *extra]:
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(tmp / sub)
+    env.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
 def out_dir(name: str, out: str | Path | None) -> Path:
     path = Path(out) if out else RESULTS_DIR / name
     path.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -21,16 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from research.bench.common import log, machine, out_dir, write_json
+from research.bench.common import log, machine, out_dir, sandbox_env, write_json
 
 
 def one_run(python: str, epochs: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="drl-et-"))
-    env = dict(os.environ)
-    for var, sub in [("HOME", "home"), ("DIFFRLHF_CACHE", "cache"), ("XDG_CACHE_HOME", "home/.cache"), ("RAY_TMPDIR", "ray")]:
-        (tmp / sub).mkdir(parents=True, exist_ok=True)
-        env[var] = str(tmp / sub)
-    env.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    env = sandbox_env(tmp)
     env.pop("PYTHONPATH", None)
     try:
         subprocess.run([python, "-m", "diffrlhf.deploy.cli", "train", "--no-progress", f"train.epochs={epochs}",
