@@ -81,56 +81,6 @@ def test_resume_line_counts_what_is_made_again():
     assert "redone: 0 reward queries" in line and "logged after it" not in line
 
 
-RUN = ["model.name=tiny-random", "sample.num_steps=2", "sample.resolution=32", "sample.batch_size=2", "sample.batches_per_epoch=2",
-       "train.batch_size=2", "prompts.train=simple_animals", "run.image_grid_every=0", "run.tensorboard=false",
-       "system.num_samplers=1", "train.lr=0.01", "train.clip_range=0.01"]
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    """One local Ray for the module's CLI runs: they join it as `ray job submit` runs do (RAY_ADDRESS)
-    instead of each starting and stopping its own."""
-    import ray
-
-    ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
-def _train(address, tmp_path, *args):
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": address}  # the suite's cache: the tiny model built once
-    done = subprocess.run([sys.executable, "-m", "diffrlhf.deploy.cli", "train", "--no-progress", *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.splitlines()
-
-
-@pytest.mark.integration
-def test_the_summary_after_a_resume_is_the_whole_runs(tmp_path, ray_address):
-    """After a resume, the gain line is computed over the whole history (epoch 0 on), as an
-    uninterrupted run's would be: it equals summary_line over every epoch the run folder logged.
-    (That a resumed run's epochs equal an uninterrupted run's is test_system's.)"""
-    import json
-
-    from diffrlhf.deploy.baseline import summary_line
-
-    _train(ray_address, tmp_path, *RUN, "train.epochs=2", f"run.out_dir={tmp_path}", "run.name=part")
-    resumed = _train(ray_address, tmp_path, "--resume", str(tmp_path / "part"), "train.epochs=4")
-    records = [json.loads(ln) for ln in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
-    gain = [ln for ln in resumed if ln.startswith("[diffrlhf] reward ") and "gain" in ln]
-    whole, after = summary_line(records, None), summary_line(records[2:], None)
-    assert whole != after  # the two readings differ, so the line tells them apart
-    assert len(gain) == 1 and gain[0].startswith(f"[diffrlhf] {whole}"), (gain, whole)
-    assert any(ln.startswith("[diffrlhf] 4 epochs (2 after the resume)") for ln in resumed)
-    assert any(ln.startswith("[diffrlhf] resuming at epoch 2 of 4 from the checkpoint; redone: 0 reward queries") for ln in resumed)
-
-
 def test_rays_own_messages_go_to_the_run_folder_without_colour(tmp_path, capsys, monkeypatch):
     """Ray's raylet messages (e.g. "A worker died ...", ~480 characters in colour when a reward actor
     dies) go to the run folder's ray_messages.log, not the console; --debug echoes them too."""

@@ -92,18 +92,23 @@ def stop_after(epoch):
     return hook
 
 
-def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_exactly(tmp_path, lag1_run):
+def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_exactly(tmp_path, lag1_run, capsys, monkeypatch):
     """The asynchronous run (lag 1) under three deaths: a sampler killed between epochs (Ray
     restarts it and it must catch up with the current weights), a sampler that crashes in the
     middle of its first call of epoch 1 (the call is retried, the batch must come out identical),
     and the learner, killed after update 1 with epochs sampled from older versions in flight. The
     sampler deaths do not stop the run; the learner's does, naming the resume command and the
-    checkpoint (2 of 4 epochs done). Resuming from that checkpoint (the CLI's path: `diffrlhf train
-    --resume` loads it and hands it to the driver) gives the uninterrupted run, to its final LoRA.
-    (One run for the three deaths: each Ray run costs its actors' start-up. The `resume=True`
-    path, which loads the checkpoint itself, is resumed in the two-learner test.)"""
+    checkpoint (2 of 4 epochs done). The user's resume command (`diffrlhf train --resume`, run here
+    in-process on this module's Ray) gives the uninterrupted run, to its final LoRA, and its console
+    says where it resumed, what it redid, and the gain over the whole history (epoch 0 on), as an
+    uninterrupted run's would be. (One run for the three deaths and the resume: each Ray run costs
+    its actors' start-up. The `resume=True` path of the driver is resumed in the colocated-group test.)"""
+    from diffrlhf.deploy import cli
+    from diffrlhf.deploy.baseline import summary_line
+    from diffrlhf.deploy.runlog import RunLogger
+
     straight_dir, full, _, _ = lag1_run
-    cfg, run = cfg_with(*LAG1), tmp_path / "b"
+    cfg, run = cfg_with(*LAG1, "system.max_core_restarts=0"), tmp_path / "b"
     killed = []
 
     def kill_actors(driver, epoch):
@@ -114,20 +119,28 @@ def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_e
             ray.kill(driver.learner)
 
     # system.max_core_restarts=0: the stop and the user's resume (the in-run restore is the next test)
-    d = Driver(cfg_with(*LAG1, "system.max_core_restarts=0"), run, progress=False,
-               worker_classes={"sampler": crash_once_sampler(tmp_path / "marker")}, on_update=kill_actors)
+    logger = RunLogger(run, cfg, tensorboard=False)
+    d = Driver(cfg, run, logger=logger, progress=False, worker_classes={"sampler": crash_once_sampler(tmp_path / "marker")},
+               on_update=kill_actors)
     with pytest.raises(RunFailed, match=r"(?s)learner actor died.*max_core_restarts=0 spent.*The last checkpoint \(2 of 4 epochs done\).*--resume"):
         d.run()
     first = d.records
     d.shutdown()
+    logger.close()
     assert killed and (tmp_path / "marker").exists()
     assert first[-1]["actor_deaths"] >= 1 and first[-1]["sample_retries"] >= 1 and first[-1]["batches_dropped"] == 0
     saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
     assert saved["counters"]["epochs_done"] == 2 and sorted(saved["versions"]) == [1, 2]
     # resumed with one sampler fewer: the plan, not the sampler count, fixes each epoch's samples
-    d = Driver(cfg_with(*LAG1, "system.num_samplers=1"), run, progress=False, resume_state=load_checkpoint(run))
-    rest = d.run()
-    d.shutdown()
+    capsys.readouterr()
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # as under `ray job submit`: this Ray's fake GPUs
+    from ray._private import worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # the CLI reroutes it; restored after
+    assert cli.main(["train", "--no-progress", "--resume", str(run), "system.num_samplers=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rest = logged[len(first):]
     assert [[r["epoch"] for r in p] for p in (first, rest)] == [[0, 1], [2, 3]]
     # the retried batch was identical and the restarted samplers used the current weights: the
     # uninterrupted run's numbers, epoch by epoch
@@ -142,6 +155,13 @@ def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_e
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    # the console: where it resumed, and the gain over the whole history, not the part after the resume
+    assert any(ln.startswith("[diffrlhf] resuming at epoch 2 of 4 from the checkpoint; redone: ") for ln in out), out
+    assert any(ln.startswith("[diffrlhf] 4 epochs (2 after the resume)") for ln in out), out
+    gain = [ln for ln in out if ln.startswith("[diffrlhf] reward ") and "gain" in ln]
+    whole, after = summary_line(logged, None), summary_line(logged[2:], None)
+    assert whole != after  # the two readings differ, so the line tells them apart
+    assert len(gain) == 1 and gain[0].startswith(f"[diffrlhf] {whole}"), (gain, whole)
 
 
 def test_a_dead_learner_then_a_dead_buffer_are_each_restored_within_the_run(tmp_path, lag1_run, capsys):
