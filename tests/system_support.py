@@ -1,6 +1,6 @@
 """What the two Ray system test modules share (tests/test_system.py: runs that finish and resume;
 tests/test_system_failures.py: what fails and how it is reported): the small config and a local Ray
-with fake GPUs, which each module starts once for its tests."""
+with fake GPUs, which the modules share."""
 from pathlib import Path
 
 import pytest
@@ -18,15 +18,31 @@ def cfg_with(*extra):
     return load_config("tiny", overrides=SMALL + list(extra))
 
 
+_OURS: dict = {}  # the address of the local Ray these modules share, while it is up
+
+
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray per importing module (a module that imports this fixture gets it, autouse)."""
+def local_ray(request):
+    """One local Ray with fake GPUs for every module that imports this fixture (autouse), started by
+    the first test that needs it and ended with the session: a Ray start costs seconds. Started again
+    if another module's fixture replaced it (test_multinode's cluster ends with its module)."""
     import ray
 
+    if ray.is_initialized() and _OURS.get("address") == ray.get_runtime_context().gcs_address:
+        yield
+        return
     ray.shutdown()
     ray.init(address="local", num_cpus=6, num_gpus=2, include_dashboard=False, log_to_driver=False)  # fake GPUs
+    _OURS["address"] = ray.get_runtime_context().gcs_address
+    request.session.addfinalizer(_end_ours)
     yield
-    ray.shutdown()
+
+
+def _end_ours():
+    import ray
+
+    if ray.is_initialized() and _OURS.pop("address", None) == ray.get_runtime_context().gcs_address:
+        ray.shutdown()
 
 
 def final_lora(run_dir):
