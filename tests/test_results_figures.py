@@ -93,3 +93,23 @@ def test_the_gpu_memory_table_is_its_file():
     for name, prefix in (("learner", "| learner (micro-batch 4"), ("sampler", "| sampler (batch 8")):
         row = next(ln for ln in RESULTS.splitlines() if ln.strip().startswith(prefix))
         assert f"{roles[name]['activations'] / 1e9:.2f} GB" in row and f"{roles[name]['total'] / 1e9:.2f} GB |" in row, (name, row)
+
+
+def test_the_time_per_stage_figures_are_the_stage_time_file():
+    """Section "What is known at SD1.5's size?": the measured / predicted ratios, the achieved
+    fractions of the matmul rate by resolution, and the run-over-alone ratio of the learner."""
+    res = json.loads((STUDY / "sd15_size" / "stage_time" / "stage_time.json").read_text())
+    section = RESULTS[RESULTS.index("**Time per stage against the FLOP model**"):]
+    section = " ".join(section[: section.index("\n- Left:")].split())  # line breaks as spaces
+    rows = {r["stage"].split(":")[0] + (" epoch" if "epoch" in r["stage"] else "") + (" call" if "one call" in r["stage"] else ""): r
+            for r in res["rows"]}
+    call, epoch = rows["sampler call"], rows["learner epoch"]
+    assert f"a sampler call {call['run_s']:.2f} s / {call['predicted_s']:.2f} s ({call['measured_over_predicted']:.2f}x)" in section
+    assert f"a learner epoch {epoch['run_s']:.2f} s / {epoch['predicted_s']:.2f} s ({epoch['measured_over_predicted']:.2f}x)" in section
+    assert f"{res['matmul_gflops']:.1f} GFLOP/s" in section
+    fractions = [f"{r['achieved_gflops'] / res['matmul_gflops']:.2f}" for r in res["scan"]]
+    assert [r["resolution"] for r in res["scan"]] == [64, 128, 256, 512]
+    assert (f"reaches {fractions[0]} of the matmul rate at 64 px, {fractions[1]} at 128, {fractions[2]} at 256 and "
+            f"{fractions[3]} at 512 px") in section
+    assert f"{epoch['run_s'] / epoch['alone_s']:.2f}x its 8" in section
+    assert f"counts {res['work_flops']['learner_pair'] / res['scan'][0]['flops']:.2f}x a forward" in section
