@@ -113,3 +113,17 @@ def test_the_time_per_stage_figures_are_the_stage_time_file():
             f"{fractions[3]} at 512 px") in section
     assert f"{epoch['run_s'] / epoch['alone_s']:.2f}x its 8" in section
     assert f"counts {res['work_flops']['learner_pair'] / res['scan'][0]['flops']:.2f}x a forward" in section
+
+
+def test_the_memory_per_role_figures_are_the_role_memory_file():
+    res = json.loads((STUDY / "sd15_size" / "role_memory" / "role_memory.json").read_text())
+    section = RESULTS[RESULTS.index("**Both layouts finish and resume; memory per role"):]
+    section = " ".join(section[: section.index("\n- **Time per stage")].split())
+    model = [r["measured_over_predicted"] for r in res["rows"] if r["holds_model"]]
+    assert f"the {len(model)} model-holding roles of the two runs: {min(model):.2f} to {max(model):.2f}" in section
+    assert f"({sum(res['parameters'].values()):,}: {res['weights_gb']:.2f} GiB)" in section
+    assert not any(abs(x - 1) > res["threshold"] for x in model) and "none beyond 25%" in section
+    records = [json.loads(x) for x in (STUDY / "sd15_size" / "group_resume" / "metrics.jsonl").read_text().splitlines()]
+    single = [json.loads(x) for x in (STUDY / "sd15_size" / "stage_run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["learners"] for r in records] == [2, 2, 2] and records[-1]["reward_queries_total"] == 12
+    assert f"epoch 2's reward {records[2]['reward_mean']:.4f} against the single learner's {single[2]['reward_mean']:.4f}" in section

@@ -38,3 +38,17 @@ def test_the_table_divides_counted_flops_by_the_rate_and_reads_the_runs_own_time
     assert rows[0]["measured_over_predicted"] == pytest.approx(4.0) and rows[2]["measured_over_predicted"] == pytest.approx(4.0)
     assert rows[1]["measured_over_predicted"] == pytest.approx(measured["sampler_call_s"] / 2.0)
     assert rows[3]["measured_over_predicted"] == pytest.approx(measured["learner_epoch_s"] / rows[3]["predicted_s"])
+
+
+def test_the_memory_prediction_counts_sd15s_parameters_and_adds_the_modelless_process():
+    """SD1.5's UNet is 859,520,964 parameters and its rank-4 attention LoRA 797,184 (measured
+    before, issue 55); the prediction for a model-holding role is those fp32 bytes (with the text
+    encoder's and the VAE's) plus the buffer's peak in the same run; other roles: the buffer's."""
+    from research.bench import role_memory
+
+    counted = role_memory.model_bytes(4)
+    assert counted["parameters"]["unet"] == 859_520_964 + 797_184
+    rows = {r["role"]: r for r in role_memory.rows_for(RUN, counted["fp32_bytes"])}
+    buffer = rows["buffer"]["peak_rss_gb"]
+    assert rows["learner"]["predicted_gb"] == pytest.approx(buffer + 4 * sum(counted["parameters"].values()) / 2**30)
+    assert rows["reward-0"]["predicted_gb"] == buffer and not rows["reward-0"]["holds_model"]
