@@ -86,11 +86,11 @@ def test_results_quotes_the_plan_it_was_committed_with():
 
 
 def test_confirmatory_runs_are_the_chosen_setting_on_the_confirm_seeds_each_beside_its_control(tmp_path):
-    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"])
-    best = tuning.settings()[2]
-    for j in jobs:
-        gain = 1.0 if j["setting"] == best else 0.5
-        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, gain, gain, gain], 1.0)
+    best = tuning.settings()[2]  # clip 0.003, lr 0.03: at an edge in both keys, so the edge rule extends the cell
+    for _ in range(2):  # the grid, then its extension (tuning_jobs adds it once the grid is complete)
+        for j in tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path):
+            gain = 1.0 if j["setting"] == best else 0.5
+            _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, gain, gain, gain], 1.0)
     confirm, waiting = tuning.confirm_jobs(tmp_path)
     assert "jpeg_compressibility / ddpo" not in waiting and "jpeg_compressibility / latent_sq" in waiting
     assert len(waiting) == len(tuning.PLAN["rewards"]) * len(tuning.PLAN["variants"]) - 1
@@ -100,3 +100,41 @@ def test_confirmatory_runs_are_the_chosen_setting_on_the_confirm_seeds_each_besi
     assert not {j["seed"] for j in confirm} & set(tuning.PLAN["tuning_seeds"])  # fresh seeds only
     assert tuning.job_path(tmp_path, confirm[1]) == (tmp_path / "confirm" / tuning.setting_tag(best) / "runs"
                                                      / "jpeg_compressibility_shuffled" / "uniform__none" / "seed200.json")
+
+
+def test_the_edge_rule_extends_one_factor_3_step_beyond_each_edge_the_grid_best_lies_on():
+    def ext(clip, lr):
+        return sorted(tuning.setting_tag(x) for x in tuning.edge_extension({"train.clip_range": clip, "train.lr": lr}))
+
+    assert ext(0.01, 0.01) == []  # inside the grid in both keys
+    assert ext(0.01, 0.003) == ["clip_range0.003_lr0.001", "clip_range0.01_lr0.001", "clip_range0.03_lr0.001"]
+    assert ext(0.03, 0.003) == sorted(["clip_range0.09_lr0.003", "clip_range0.09_lr0.01", "clip_range0.09_lr0.03",
+                                       "clip_range0.003_lr0.001", "clip_range0.01_lr0.001", "clip_range0.03_lr0.001",
+                                       "clip_range0.09_lr0.001"])  # both edges: each key beyond, and the corner
+    assert ext(0.003, 0.03) == sorted(["clip_range0.001_lr0.003", "clip_range0.001_lr0.01", "clip_range0.001_lr0.03",
+                                       "clip_range0.003_lr0.09", "clip_range0.01_lr0.09", "clip_range0.03_lr0.09",
+                                       "clip_range0.001_lr0.09"])
+
+
+def test_a_cell_whose_grid_best_is_at_an_edge_is_chosen_only_after_its_extension_once(tmp_path):
+    edge = {"train.clip_range": 0.01, "train.lr": 0.003}
+    beyond = {"train.clip_range": 0.01, "train.lr": 0.001}  # in the extension, and itself at the extension's edge
+    gain = {tuning.setting_tag(edge): 1.0, tuning.setting_tag(beyond): 2.0}
+    grid_jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path)
+    assert len(grid_jobs) == len(tuning.settings()) * len(tuning.PLAN["tuning_seeds"])  # nothing to extend yet
+    for j in grid_jobs:
+        g = gain.get(tuning.setting_tag(j["setting"]), 0.5)
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, g, g, g], 1.0)
+    cell = tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]
+    assert cell["grid_best"] == tuning.setting_tag(edge) and not cell["complete"] and cell["chosen"] is None
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path)
+    added = jobs[len(grid_jobs):]
+    assert len(added) == 3 * len(tuning.PLAN["tuning_seeds"]) and all(j["setting"]["train.lr"] == 0.001 for j in added)
+    for j in added:
+        g = gain.get(tuning.setting_tag(j["setting"]), 0.5)
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, g, g, g], 1.0)
+    cell = tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]
+    assert cell["complete"] and cell["chosen"] == tuning.setting_tag(beyond)
+    assert len(tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path)) == len(jobs)  # once: no second extension
+    md = tuning.table_markdown({"jpeg_compressibility / ddpo": cell})
+    assert "The edge rule's extensions" in md and "| jpeg_compressibility / ddpo | clip_range0.01_lr0.001 | **+2.000" in md

@@ -61,6 +61,13 @@ PLAN = {
     "test": "paired t-test over the confirm seeds of the AUC difference (variant - DDPO), two-sided",
     "correction": "Holm across the 6 comparisons (3 variants x 2 rewards) at family-wise 0.05",
     "report": "only comparisons that survive Holm are stated as findings in README, presets and RESULTS' summary",
+    # Amendment 1 (2026-12-06, after 155 of 216 tuning runs, before any confirmatory run): the first
+    # complete cell (ddpo on JPEG) chose a setting at the grid's edge in both keys, so a better DDPO
+    # may lie outside the grid. The same rule for every cell, applied once:
+    "edge_rule": ("where a cell's best setting on the grid (all tuning seeds done) lies at a key's smallest or "
+                  "largest value, that cell's grid is extended one factor-3 step beyond that edge, crossed with "
+                  "the other key's grid values (and the corner when both keys are at an edge), on the same tuning "
+                  "seeds; the choice is then made over the grid and its extension"),
 }
 
 
@@ -74,6 +81,25 @@ def settings() -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(PLAN["grid"][k] for k in keys))]
 
 
+def edge_extension(best: dict) -> list[dict]:
+    """PLAN['edge_rule'] for a cell whose best grid setting is `best`: the settings one factor-3 step
+    beyond each key at its grid's edge, crossed with the other key's grid values, and the corner when
+    both are at an edge (none when the best is inside the grid in every key)."""
+    grid, beyond = PLAN["grid"], {}
+    for k, v in best.items():
+        if v == min(grid[k]):
+            beyond[k] = round(v / 3, 6)
+        elif v == max(grid[k]):
+            beyond[k] = round(v * 3, 6)
+    out = []
+    for k, v in beyond.items():
+        (other,) = [j for j in grid if j != k]
+        out += [{k: v, other: w} for w in grid[other]]
+    if len(beyond) == 2:
+        out.append(dict(beyond))
+    return [dict(sorted(s.items())) for s in out]
+
+
 def setting_tag(setting: dict) -> str:
     return "_".join(f"{k.split('.')[-1]}{v:g}" for k, v in sorted(setting.items()))
 
@@ -82,15 +108,23 @@ def overrides_of(setting: dict) -> list[str]:
     return [f"{k}={v:g}" for k, v in sorted(setting.items())]
 
 
-def tuning_jobs(rewards=None, variants=None) -> list[dict]:
+def tuning_jobs(rewards=None, variants=None, out: Path | None = None) -> list[dict]:
     """Every tuning run, seed-major (all settings and variants of the first seed first), so a partial
-    chunk still covers every cell once before any cell twice."""
+    chunk still covers every cell once before any cell twice; then, given the results folder `out`,
+    the edge extensions (PLAN['edge_rule']) of the cells whose grid is complete."""
     jobs = []
     for seed in PLAN["tuning_seeds"]:
         for reward in rewards or PLAN["rewards"]:
             for variant in variants or PLAN["variants"]:
                 for s in settings():
                     jobs.append({"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
+    if out is not None:
+        table = tuning_table(out)
+        for seed in PLAN["tuning_seeds"]:
+            for reward in rewards or PLAN["rewards"]:
+                for variant in variants or PLAN["variants"]:
+                    for s in table[f"{reward} / {variant}"]["extension"]:
+                        jobs.append({"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
     return jobs
 
 
@@ -200,22 +234,32 @@ def tuning_table(out: Path) -> dict:
     from research.bench.drift import gains
     from research.bench.study import mean_se
 
+    def row(reward, variant, s):
+        runs = []
+        for seed in PLAN["tuning_seeds"]:
+            p = job_path(out, {"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
+            if p.exists():
+                runs.append(json.loads(p.read_text()))
+        g = [v["gain"] for v in gains(runs).values()]
+        m, se = mean_se(g) if g else (None, None)
+        return {"setting": s, "tag": setting_tag(s), "seeds": len(g), "gain_mean": m, "gain_se": se}
+
+    def complete(rows):
+        return all(r["seeds"] == len(PLAN["tuning_seeds"]) for r in rows)
+
     table = {}
     for reward in PLAN["rewards"]:
         for variant in PLAN["variants"]:
-            rows = []
-            for s in settings():
-                runs = []
-                for seed in PLAN["tuning_seeds"]:
-                    p = job_path(out, {"stage": "tune", "reward": reward, "variant": variant, "setting": s, "seed": seed})
-                    if p.exists():
-                        runs.append(json.loads(p.read_text()))
-                g = [v["gain"] for v in gains(runs).values()]
-                m, se = mean_se(g) if g else (None, None)
-                rows.append({"setting": s, "tag": setting_tag(s), "seeds": len(g), "gain_mean": m, "gain_se": se})
-            complete = all(r["seeds"] == len(PLAN["tuning_seeds"]) for r in rows)
-            chosen = choose(rows) if complete else None
-            table[f"{reward} / {variant}"] = {"rows": rows, "complete": complete, "chosen": chosen}
+            rows = [row(reward, variant, s) for s in settings()]
+            extension, ext_rows = [], []
+            if complete(rows):  # the edge rule, once: from the grid's best, never from an extension's
+                best = next(r["setting"] for r in rows if r["tag"] == choose(rows))
+                extension = edge_extension(best)
+                ext_rows = [row(reward, variant, s) for s in extension]
+            done = complete(rows) and complete(ext_rows)
+            table[f"{reward} / {variant}"] = {"rows": rows + ext_rows, "extension": extension, "complete": done,
+                                              "grid_best": choose(rows) if complete(rows) else None,
+                                              "chosen": choose(rows + ext_rows) if done else None}
     return table
 
 
@@ -237,7 +281,15 @@ def table_markdown(table: dict) -> str:
                 continue
             c = f"{r['gain_mean']:+.3f}" + (f" ± {r['gain_se']:.3f}" if r["gain_se"] is not None else "") + f" ({r['seeds']})"
             cells.append(f"**{c}**" if r["tag"] == t["chosen"] else c)
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key} | " + " | ".join(cells[: len(tags)]) + " |")
+    ext = [(key, r, t["chosen"]) for key, t in table.items() for r in t["rows"][len(tags):]]
+    if ext:
+        lines += ["", "The edge rule's extensions (cells whose grid best lies at an edge; PLAN['edge_rule']):", "",
+                  "| reward / variant | setting | mean training gain (± s.e.; seeds done) |", "| --- | --- | --- |"]
+        for key, r, chosen in ext:
+            c = "-" if not r["seeds"] else (f"{r['gain_mean']:+.3f}" + (f" ± {r['gain_se']:.3f}" if r["gain_se"] is not None else "")
+                                              + f" ({r['seeds']})")
+            lines.append(f"| {key} | {r['tag']} | {f'**{c}**' if r['tag'] == chosen else c} |")
     return "\n".join(lines)
 
 
@@ -250,6 +302,7 @@ def plan_markdown() -> str:
              + f" ({len(settings())} settings).",
              f"- Tuning seeds {p['tuning_seeds']}; confirmatory seeds {p['confirm_seeds']}, used for nothing else.",
              f"- Selection: {p['selection']} (ties: smaller lr, then smaller clip).",
+             f"- Edge rule (amendment 1, before any confirmatory run): {p['edge_rule']}.",
              f"- Primary measure: {p['primary']}.",
              "- Secondary: " + "; ".join(p["secondary"]) + ".",
              f"- Test: {p['test']}; correction: {p['correction']}.",
@@ -269,7 +322,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(RESULTS_DIR / "tuning"))
     args = ap.parse_args(argv)
     out = Path(args.out)
-    jobs = tuning_jobs(args.reward, args.variant)
+    jobs = tuning_jobs(args.reward, args.variant, out)
     if args.stage == "confirm" and args.command in ("status", "run"):
         jobs, waiting = confirm_jobs(out, args.reward, args.variant)
         if waiting:
