@@ -1,0 +1,175 @@
+"""The answer to issue 59, computed as its plan says (research/bench/tuning.py::PLAN), from the
+confirmatory run files: every variant at its chosen setting against tuned DDPO, per reward.
+
+    python -m research.bench.tuning_answer [--out research/results/tuning] [--resamples 10000]
+
+Per reward and method, from the confirm seeds' runs and their shuffled-reward controls (same seed,
+same setting): the net curve of each seed, reward - (control - control's epoch 0) (drift.net_curves).
+
+- Primary: reward queries to reach the target, target = half of tuned DDPO's mean net gain at the
+  full budget (net gain: the net curve's final 3-epoch trailing mean - its epoch 0). Each method's
+  seed-mean net curve, less its epoch 0, 3-epoch trailing mean: the first epoch from which it stays at
+  or above the target to the end; queries = the cumulative reward queries there. Ratio = DDPO's
+  queries / the variant's. Interval: 10,000 paired seed-bootstrap resamples (the same resampled seeds
+  for both), percentile 95%; a resample where DDPO's net gain is not positive, or the variant never
+  stays above the target, has no ratio and is counted.
+- Secondary: area under the net curve (mean net reward over the epochs) and the final net gain, each
+  a paired difference against DDPO with its 95% t interval; the raw held-out reward, paired.
+- Test: the paired t-test of the AUC difference, two-sided; Holm across the comparisons present
+  (6 when complete) at family-wise 0.05.
+A cell whose confirmatory runs are not all there is listed as waiting, and no comparison uses it.
+Writes <out>/answer.md and <out>/answer.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from research.bench import tuning
+from research.bench.common import RESULTS_DIR, paired_test, write_json
+from research.bench.study import SMOOTH_WINDOW, smooth
+
+ALPHA = 0.05
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order: the i-th smallest p times (m - i),
+    made monotone and capped at 1."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def held_from(curve: np.ndarray, target: float) -> int | None:
+    """The first index from which curve stays >= target to the end, or None."""
+    below = np.nonzero(curve < target)[0]
+    if not len(below):
+        return 0
+    first = int(below[-1]) + 1
+    return first if first < len(curve) else None
+
+
+def net_gains(net: np.ndarray) -> np.ndarray:
+    """Per seed: the net curve's final 3-epoch trailing mean less its epoch 0."""
+    return np.array([smooth(row, SMOOTH_WINDOW)[-1] - row[0] for row in net])
+
+
+def queries_to_target(net: np.ndarray, queries: np.ndarray, target: float) -> int | None:
+    curve = smooth(net.mean(axis=0) - net.mean(axis=0)[0], SMOOTH_WINDOW)
+    i = held_from(curve, target)
+    return None if i is None else int(queries[i])
+
+
+def primary(base: np.ndarray, var: np.ndarray, queries: np.ndarray, resamples: int, seed: int = 0) -> dict:
+    """The plan's primary measure on net curves [seed, epoch] paired by row (the same seeds)."""
+    def ratio(b, v):
+        target = 0.5 * float(net_gains(b).mean())
+        if target <= 0:
+            return None, (None, None), target
+        qb, qv = queries_to_target(b, queries, target), queries_to_target(v, queries, target)
+        return (qb / qv if qb and qv else None), (qb, qv), target
+
+    point, (qb, qv), target = ratio(base, var)
+    rng = np.random.default_rng(seed)
+    n, values, missing = base.shape[0], [], 0
+    for _ in range(resamples):
+        idx = rng.integers(0, n, n)
+        r, _, _ = ratio(base[idx], var[idx])
+        if r is None:
+            missing += 1
+        else:
+            values.append(r)
+    ci = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))] if values else None
+    return {"target": target, "ddpo_queries": qb, "variant_queries": qv, "ratio": point, "ci95": ci,
+            "resamples": resamples, "resamples_without_ratio": missing,
+            "note": None if point is not None else ("DDPO's mean net gain is not positive: no target" if target <= 0
+                                                    else "the variant never stays at or above the target")}
+
+
+def cell_runs(out: Path, reward: str, variant: str) -> tuple[list[dict], list[dict]] | None:
+    """The chosen setting's confirmatory runs and controls of one cell, or None while any is missing."""
+    jobs, waiting = tuning.confirm_jobs(out, [reward], [variant])
+    if waiting or not jobs or not all(tuning.job_path(out, j).exists() for j in jobs):
+        return None
+    runs = [json.loads(tuning.job_path(out, j).read_text()) for j in jobs]
+    real = [r for j, r in zip(jobs, runs) if not j["reward"].endswith("_shuffled")]
+    control = [r for j, r in zip(jobs, runs) if j["reward"].endswith("_shuffled")]
+    return real, control
+
+
+def answer(out: Path, resamples: int = 10_000) -> dict:
+    from research.bench.drift import net_curves
+
+    comparisons, waiting = [], []
+    for reward in tuning.PLAN["rewards"]:
+        base = cell_runs(out, reward, "ddpo")
+        if base is None:
+            waiting.append(f"{reward} / ddpo")
+        for variant in [v for v in tuning.PLAN["variants"] if v != "ddpo"]:
+            var = cell_runs(out, reward, variant)
+            if var is None:
+                waiting.append(f"{reward} / {variant}")
+            if base is None or var is None:
+                continue
+            (b_runs, b_net), (v_runs, v_net) = net_curves(*base), net_curves(*var)
+            assert [r["seed"] for r in b_runs] == [r["seed"] for r in v_runs], "confirm seeds differ between the two cells"
+            n = min(b_net.shape[1], v_net.shape[1])
+            b_net, v_net = b_net[:, :n], v_net[:, :n]
+            queries = np.array([rec["reward_queries"] for rec in b_runs[0]["records"][:n]])
+            heldout = [(v.get("eval") or {}).get("reward_mean", np.nan) - (b.get("eval") or {}).get("reward_mean", np.nan)
+                       for b, v in zip(b_runs, v_runs)]
+            comparisons.append({
+                "reward": reward, "variant": variant, "seeds": [r["seed"] for r in b_runs],
+                "primary": primary(b_net, v_net, queries, resamples),
+                "auc": paired_test(v_net.mean(axis=1) - b_net.mean(axis=1)),
+                "net_gain": paired_test(net_gains(v_net) - net_gains(b_net)),
+                "heldout": paired_test([h for h in heldout if np.isfinite(h)]),
+            })
+    for c, p in zip(comparisons, holm([c["auc"]["p"] for c in comparisons])):
+        c["holm_p"] = p
+        c["survives"] = bool(p < ALPHA and c["auc"]["mean"] > 0)
+    return {"plan_digest": tuning.plan_digest(), "comparisons": comparisons, "waiting": waiting, "alpha": ALPHA}
+
+
+def markdown(res: dict) -> str:
+    def iv(x):
+        return "-" if not x else f"[{x[0]:+.3f}, {x[1]:+.3f}]"
+
+    lines = [f"Against tuned DDPO (plan `{res['plan_digest']}`): confirm seeds, net of each seed's shuffled-reward control.", "",
+             "| reward | variant | queries to target (DDPO / variant) | ratio [95% bootstrap] | AUC diff [95% t] | "
+             "net gain diff [95% t] | held-out diff | p (AUC) | Holm p | survives |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in res["comparisons"]:
+        p = c["primary"]
+        ratio = (f"{p['ratio']:.2f} [{p['ci95'][0]:.2f}, {p['ci95'][1]:.2f}]" if p["ratio"] is not None and p["ci95"]
+                 else (p["note"] or "-"))
+        lines.append(f"| {c['reward']} | {c['variant']} | {p['ddpo_queries']} / {p['variant_queries']} | {ratio} | "
+                     f"{c['auc']['mean']:+.3f} {iv(c['auc']['ci95'])} | {c['net_gain']['mean']:+.3f} {iv(c['net_gain']['ci95'])} | "
+                     f"{c['heldout']['mean']:+.3f} | {c['auc']['p']:.3g} | {c['holm_p']:.3g} | {'yes' if c['survives'] else 'no'} |")
+    if res["waiting"]:
+        lines += ["", "Waiting for their confirmatory runs: " + ", ".join(res["waiting"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m research.bench.tuning_answer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(RESULTS_DIR / "tuning"))
+    ap.add_argument("--resamples", type=int, default=10_000)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    res = answer(out, a.resamples)
+    write_json(out / "answer.json", res)
+    (out / "answer.md").write_text(markdown(res))
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
