@@ -261,7 +261,7 @@ def test_algorithm_config_defaults_and_errors():
 def test_reference_loop_with_dpok_records_a_finite_kl(tiny_folder):
     from diffrlhf.actors.reference_loop import run_reference
 
-    cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "sample.num_steps=6", "sample.resolution=32",
+    cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "sample.num_steps=3", "sample.resolution=32",
                                          "sample.batch_size=4", "sample.batches_per_epoch=2", "train.batch_size=4",
                                          "train.epochs=2", "prompts.train=simple_animals", "replay.mode=hardmine",
                                          "replay.k=2", "algorithm.name=dpok", "algorithm.kl_coef=0.1",

@@ -110,7 +110,7 @@ def test_reference_loop_runs_a_few_epochs_with_hardmined_replay(tiny_folder):
     from diffrlhf.deploy.config import load_config
     from diffrlhf.actors.reference_loop import run_reference
 
-    cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "sample.num_steps=6", "sample.resolution=32",
+    cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "sample.num_steps=3", "sample.resolution=32",
                                          "sample.batch_size=4", "sample.batches_per_epoch=2", "train.batch_size=4",
                                          "train.epochs=3", "prompts.train=simple_animals", "replay.mode=hardmine",
                                          "weighting.scheme=latent_sq", "replay.k=2"])
