@@ -53,6 +53,9 @@ def test_a_learner_dead_before_its_first_weights_is_restored_then_dying_at_the_s
 
 def hanging_sampler():
     class HangingSampler(SamplerWorker):
+        def __init__(self, cfg, rank: int = 0):  # no model: it never samples (a model load is an actor start's cost)
+            self._init_role(cfg, f"sampler-{rank}")
+
         def sample(self, plan, weights):
             import time
 
