@@ -97,6 +97,15 @@ def write_json(path: Path, data) -> Path:
     return path
 
 
+def write_report(folder: Path, stem: str, res: dict, md: str) -> dict:
+    """A benchmark's result: <folder>/<stem>.json (the numbers) and <stem>.md (the table), printed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / f"{stem}.json", res)
+    (folder / f"{stem}.md").write_text(md)
+    print(md)
+    return res
+
+
 def pyplot():
     import matplotlib
 

@@ -75,14 +75,15 @@ def fused_attention_counter(saved: list):
     return sdpa
 
 
-def unet_on_meta(lora_rank: int):
+def unet_on_meta(lora_rank: int, dtype: torch.dtype = torch.bfloat16):
+    """SD1.5's UNet (the real config) with a LoRA of the given rank, on the meta device: shapes only."""
     from diffusers import UNet2DConditionModel
 
     from diffrlhf.learner.lora import add_lora
     from diffrlhf.tinyworld.architecture import SD15_UNET
 
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**SD15_UNET).to(torch.bfloat16)
+        unet = UNet2DConditionModel(**SD15_UNET).to(dtype)
     add_lora(unet, rank=lora_rank)
     return unet
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from research.bench.common import out_dir, write_json
+from research.bench.common import out_dir, write_report
 
 THRESHOLD = 0.25
 
@@ -75,11 +75,7 @@ def main(argv=None) -> dict:
     weights = counted["fp32_bytes"]
     res = {"runs": a.run, "parameters": counted["parameters"], "weights_gb": weights / 2**30,
            "rows": [row for run in a.run for row in rows_for(Path(run), weights)], "threshold": THRESHOLD}
-    d = out_dir("role_memory", a.out)
-    write_json(d / "role_memory.json", res)
-    (d / "role_memory.md").write_text(markdown(res))
-    print(markdown(res))
-    return res
+    return write_report(out_dir("role_memory", a.out), "role_memory", res, markdown(res))
 
 
 if __name__ == "__main__":

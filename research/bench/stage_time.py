@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from research.bench.common import log, machine, out_dir, write_json
+from research.bench import gpu_memory
+from research.bench.common import log, machine, out_dir, write_report
 
 THRESHOLD = 0.25  # |measured / predicted - 1| above this is explained in the table
 
@@ -42,15 +43,7 @@ def flops(fn) -> int:
 
 
 def unet_on_meta(lora_rank: int):
-    from diffusers import UNet2DConditionModel
-
-    from diffrlhf.learner.lora import add_lora
-    from diffrlhf.tinyworld.architecture import SD15_UNET
-
-    with torch.device("meta"):
-        unet = UNet2DConditionModel(**SD15_UNET)
-    add_lora(unet, rank=lora_rank)
-    return unet
+    return gpu_memory.unet_on_meta(lora_rank, torch.float32)  # fp32 like the CPU runs (FLOPs do not depend on it)
 
 
 def unet_call(unet, rows: int, latent: int, device: str, train: bool) -> None:
@@ -247,11 +240,7 @@ def main(argv=None) -> dict:
                       "train_batch_size": cfg.train.batch_size, "lora_rank": cfg.model.lora_rank},
            "work_flops": work, "alone": alone, "in_run": measured, "rows": rows(work, rate, alone, measured, cfg),
            "scan": scan, "threshold": THRESHOLD}
-    d = out_dir("stage_time", a.out)
-    write_json(d / "stage_time.json", res)
-    (d / "stage_time.md").write_text(markdown(res))
-    print(markdown(res))
-    return res
+    return write_report(out_dir("stage_time", a.out), "stage_time", res, markdown(res))
 
 
 if __name__ == "__main__":

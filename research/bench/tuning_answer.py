@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from research.bench import tuning
-from research.bench.common import RESULTS_DIR, paired_test, write_json
+from research.bench.common import RESULTS_DIR, paired_test, write_report
 from research.bench.study import SMOOTH_WINDOW, smooth
 
 ALPHA = 0.05
@@ -163,12 +163,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(RESULTS_DIR / "tuning"))
     ap.add_argument("--resamples", type=int, default=10_000)
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    res = answer(out, a.resamples)
-    write_json(out / "answer.json", res)
-    (out / "answer.md").write_text(markdown(res))
-    print(markdown(res))
-    return res
+    res = answer(Path(a.out), a.resamples)
+    return write_report(Path(a.out), "answer", res, markdown(res))
 
 
 if __name__ == "__main__":
