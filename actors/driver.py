@@ -27,7 +27,7 @@ from diffrlhf.actors.local_ray import init_ray  # noqa: F401  (re-exported: the 
 from diffrlhf.actors.observe import RunMetrics, Watchdog
 from diffrlhf.actors.placement import Placement
 from diffrlhf.actors.probes import probes_at
-from diffrlhf.actors.ray_errors import error_text, outcome, ray_restarts, read_all, with_hint
+from diffrlhf.actors.ray_errors import error_text, first_failure, outcome, ray_restarts, read_all, with_hint
 from diffrlhf.actors.resume import carry_counters, restore_line, restore_point, resume_from, resume_hint
 from diffrlhf.actors.roles import check_restarts, role_stats
 from diffrlhf.actors.scheduler import AddTask, CoreRoleDied, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask
@@ -231,7 +231,7 @@ class Driver:
                 shards = self.buffer.training_batch.options(num_returns=n).remote(t.epoch, n)
                 calls = [a.update.options(num_returns=2).remote(x) for a, x in zip(self.learners, shards if n > 1 else [shards])]
                 (ref, weights), others = calls[0], [m for m, _ in calls[1:]]
-                extra = (weights, summary, *others)
+                extra = (weights, (summary, *(shards if n > 1 else [shards])), *others)
                 self.watch.update({m: ref for m in others})
             else:
                 ref = self._actors(t.role)[t.actor].ping.remote()
@@ -265,7 +265,7 @@ class Driver:
         return self.sched.added(t)
 
     def _on_update(self, ref, t, extra) -> list:
-        weights, summary_ref, *others = extra  # others: the metrics of ranks 1.. of a learner group
+        weights, (summary_ref, *shards), *others = extra  # the buffer's summary and shards; others: ranks 1..'s metrics
         summary, err, died = outcome(summary_ref)  # the buffer's part first: its failure explains the learner's
         if err is not None:
             read_all([ref, weights, *others])
@@ -284,9 +284,10 @@ class Driver:
         if failed:
             if 0 in outcomes:
                 read_all([weights])
+            if (lost := first_failure(shards)) is not None:  # the buffer died after its summary: the learners got no input
+                return self.sched.failed(t, error_text(lost[0]), lost[1], role="buffer")
             rank, err, died = max(failed, key=lambda f: (f[2], -f[0]))  # a dead rank first: it explains the others
-            who = f"learner-{rank} of {len(calls)}: " if len(calls) > 1 else ""
-            return self.sched.failed(t, who + error_text(err), died, role="learner")
+            return self.sched.failed(t, (f"learner-{rank} of {len(calls)}: " if len(calls) > 1 else "") + error_text(err), died, role="learner")
         metrics = outcomes[0][0]
         self.weights[t.epoch + 1] = weights
         new = self.sched.updated(t, summary["samples"])

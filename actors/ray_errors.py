@@ -28,6 +28,12 @@ def outcome(ref):
         return None, e, False
 
 
+def first_failure(refs) -> tuple[Exception, bool] | None:
+    """(error, actor died) of the first of refs whose call failed, or None (each is fetched: for a
+    failure path only)."""
+    return next(((err, died) for _, err, died in map(outcome, refs) if err is not None), None)
+
+
 def read_all(refs) -> None:
     """Fetch the other results of a failed call (their errors too), so Ray does not log them as unhandled."""
     for r in refs:
