@@ -138,3 +138,23 @@ def test_a_cell_whose_grid_best_is_at_an_edge_is_chosen_only_after_its_extension
     assert len(tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path)) == len(jobs)  # once: no second extension
     md = tuning.table_markdown({"jpeg_compressibility / ddpo": cell})
     assert "The edge rule's extensions" in md and "| jpeg_compressibility / ddpo | clip_range0.01_lr0.001 | **+2.000" in md
+
+
+def test_a_tuning_run_goes_on_with_the_extensions_the_grids_it_completes_queue(tmp_path, monkeypatch):
+    """`run --stage tune` runs the grid, then the edge extensions of the grids it completed, in one call."""
+    edge = {"train.clip_range": 0.01, "train.lr": 0.003}  # the best: at lr's low edge -> 3 extension settings
+
+    def fake_run_job(out, job, threads=1, nice=0):
+        g = 1.0 if job["setting"] == edge else 0.5
+        _fake_run(tuning.job_path(out, job), job["seed"], [0.0, g, g, g], 1.0)
+        return str(tuning.job_path(out, job))
+
+    monkeypatch.setattr(tuning, "run_job", fake_run_job)
+    done = tuning.main(["run", "--stage", "tune", "--reward", "jpeg_compressibility", "--variant", "ddpo", "--jobs", "1",
+                        "--out", str(tmp_path)])
+    seeds = len(tuning.PLAN["tuning_seeds"])
+    assert len(done) == (len(tuning.settings()) + 3) * seeds
+    assert tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]["complete"]
+    capped = tuning.main(["run", "--stage", "tune", "--reward", "jpeg_compressibility", "--variant", "hardmine", "--jobs", "1",
+                          "--max-runs", "4", "--out", str(tmp_path)])
+    assert len(capped) == 4  # --max-runs bounds the whole call

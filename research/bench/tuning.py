@@ -335,8 +335,13 @@ def main(argv=None):
         print(status_text(st))
         return st
     if args.command == "run":
-        t0 = time.time()
-        done = run_jobs(out, jobs, args.jobs, args.max_runs)
+        t0, done = time.time(), []
+        while True:  # tuning: a grid completed by this call queues its edge extension, run by this call too
+            new = run_jobs(out, jobs, args.jobs, None if args.max_runs is None else args.max_runs - len(done))
+            done += new
+            if not new or args.stage != "tune" or (args.max_runs is not None and len(done) >= args.max_runs):
+                break
+            jobs = tuning_jobs(args.reward, args.variant, out)
         log("tuning", f"{len(done)} runs in {time.time() - t0:.0f}s")
         print(status_text(status(out, jobs)))
         return done
