@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark commands: output folders, machine facts, JSON, progress lines."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -95,6 +96,17 @@ def write_json(path: Path, data) -> Path:
     tmp.write_text(json.dumps(_jsonable(data), indent=1))
     tmp.replace(path)
     return path
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to n for a timed block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def write_report(folder: Path, stem: str, res: dict, md: str) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from research.bench import gpu_memory
-from research.bench.common import log, machine, out_dir, write_report
+from research.bench.common import log, machine, out_dir, torch_threads, write_report
 
 THRESHOLD = 0.25  # |measured / predicted - 1| above this is explained in the table
 
@@ -81,9 +81,7 @@ def counted_work(cfg, learner_passes: int) -> dict:
 
 def matmul_rate(threads: int, n: int = 1024, seconds: float = 3.0) -> float:
     """fp32 FLOP/s of an n x n matmul at `threads` torch threads (best of repeated timings)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b
         best, t_end = float("inf"), time.time() + seconds
@@ -91,39 +89,39 @@ def matmul_rate(threads: int, n: int = 1024, seconds: float = 3.0) -> float:
             t0 = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
     return 2 * n**3 / best
 
 
-def timed_alone(cfg, threads: int, repeats: int = 3) -> dict:
-    """The run's UNet (its weights from the cache) timed alone: a sampler call's guided UNet calls and
-    one learner (sample, step) pair, forward and backward with the LoRA (median of `repeats`)."""
+def run_unet(cfg):
+    """The run's UNet with its weights from the cache (loaded once: 3.4 GB in fp32)."""
     from diffusers import UNet2DConditionModel
 
-    from diffrlhf.learner.lora import add_lora
     from diffrlhf.policy.models import resolve_model
 
+    return UNet2DConditionModel.from_pretrained(resolve_model(cfg.model.name), subfolder="unet")
+
+
+def timed_alone(cfg, unet, threads: int, repeats: int = 3) -> dict:
+    """The run's UNet timed alone: a sampler call's guided UNet calls and one learner (sample, step)
+    pair, forward and backward with the run's LoRA, added here (median of `repeats`)."""
+    from diffrlhf.learner.lora import add_lora
+
     s, latent = cfg.sample, cfg.sample.resolution // 8
-    unet = UNet2DConditionModel.from_pretrained(resolve_model(cfg.model.name), subfolder="unet")
     unet.requires_grad_(False)
     add_lora(unet, rank=cfg.model.lora_rank)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        def median_s(fn):
-            fn()  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
 
+    def median_s(fn):
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch_threads(threads):
         guided = median_s(lambda: unet_call(unet, 2 * s.batch_size, latent, "cpu", train=False))
         pair = median_s(lambda: unet_call(unet, 2 * cfg.train.batch_size, latent, "cpu", train=True)) / cfg.train.batch_size
-    finally:
-        torch.set_num_threads(before)
     return {"unet_guided_call_s": guided, "sampler_unet_s": s.num_steps * guided, "learner_pair_s": pair}
 
 
@@ -134,19 +132,13 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
-def resolution_scan(cfg, threads: int, resolutions: list[int]) -> list[dict]:
-    """One guided UNet call of one image (2 rows) alone at each resolution: counted FLOPs, seconds,
-    and the achieved rate against the matmul rate (how far the FLOP model's assumption holds)."""
-    from diffusers import UNet2DConditionModel
-
-    from diffrlhf.policy.models import resolve_model
-
+def resolution_scan(cfg, unet, threads: int, resolutions: list[int]) -> list[dict]:
+    """One guided UNet call of one image (2 rows) alone at each resolution (the run's UNet, before
+    timed_alone adds its LoRA): counted FLOPs, seconds, and the achieved rate against the matmul rate
+    (how far the FLOP model's assumption holds)."""
     meta = unet_on_meta(cfg.model.lora_rank)
-    unet = UNet2DConditionModel.from_pretrained(resolve_model(cfg.model.name), subfolder="unet")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     out = []
-    try:
+    with torch_threads(threads):
         for px in resolutions:
             f = flops(lambda: unet_call(meta, 2, px // 8, "meta", train=False))
             unet_call(unet, 2, px // 8, "cpu", train=False)  # warm-up
@@ -154,8 +146,6 @@ def resolution_scan(cfg, threads: int, resolutions: list[int]) -> list[dict]:
             unet_call(unet, 2, px // 8, "cpu", train=False)
             s = time.perf_counter() - t0
             out.append({"resolution": px, "flops": f, "seconds": s, "achieved_gflops": f / s / 1e9})
-    finally:
-        torch.set_num_threads(before)
     return out
 
 
@@ -231,10 +221,11 @@ def main(argv=None) -> dict:
     work = counted_work(cfg, int(measured["learner_passes"]))
     log("stage_time", "measuring the matmul rate")
     rate = matmul_rate(threads)
-    log("stage_time", "timing the run's UNet alone")
-    alone = timed_alone(cfg, threads, a.repeats)
+    unet = run_unet(cfg)
     log("stage_time", f"the achieved rate at {a.scan} px")
-    scan = resolution_scan(cfg, threads, a.scan)
+    scan = resolution_scan(cfg, unet, threads, a.scan)
+    log("stage_time", "timing the run's UNet alone")
+    alone = timed_alone(cfg, unet, threads, a.repeats)
     res = {"run": str(run), "machine": machine(), "cpu": cpu_model(), "threads": threads, "matmul_gflops": rate / 1e9,
            "config": {"resolution": cfg.sample.resolution, "num_steps": cfg.sample.num_steps, "batch_size": cfg.sample.batch_size,
                       "train_batch_size": cfg.train.batch_size, "lora_rank": cfg.model.lora_rank},
