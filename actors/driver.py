@@ -24,12 +24,12 @@ from tqdm import tqdm
 from diffrlhf.actors.checkpoint import save_checkpoint
 from diffrlhf.actors.grid import grid_due, grid_rows
 from diffrlhf.actors.local_ray import init_ray  # noqa: F401  (re-exported: the CLI and tests start Ray from here)
-from diffrlhf.actors.observe import RunMetrics, Watchdog
+from diffrlhf.actors.observe import RunMetrics, Watchdog, describe_stall, observe_queues
 from diffrlhf.actors.placement import Placement
 from diffrlhf.actors.probes import probes_at
 from diffrlhf.actors.ray_errors import error_text, first_failure, outcome, ray_restarts, read_all, with_hint
 from diffrlhf.actors.resume import carry_counters, restore_line, restore_point, resume_from, resume_hint
-from diffrlhf.actors.roles import check_restarts, role_stats
+from diffrlhf.actors.roles import check_restarts, keeps_workers, restarts_after_restore, role_stats, stop_core_roles
 from diffrlhf.actors.scheduler import AddTask, CoreRoleDied, EpochScheduler, PingTask, RunFailed, SampleTask, ScoreTask, UpdateTask
 from diffrlhf.actors.settings import plan_for, reward_runtime_env
 from diffrlhf.actors.workers import BufferWorker, LearnerWorker, RewardRoleConfig, RewardWorker, SamplerWorker
@@ -94,19 +94,19 @@ class Driver:
         self.learners = place.start_learners(classes["learner"])
         self.learner = self.learners[0]
         self.buffer = ray.remote(classes["buffer"]).options(**place.options("buffer")).remote(cfg)
-        self.samplers = [ray.remote(classes["sampler"]).options(**place.options("sampler", s.max_actor_restarts), **place.bundle(i))
-                         .remote(cfg, i) for i in range(s.num_samplers)]
-        ropts = place.options("reward", s.max_actor_restarts)
-        env = reward_runtime_env(cfg)
-        if env:
-            ropts["runtime_env"] = env
-        # the reward actors get their slice of the config: they may run in a package reward's venv
-        self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(RewardRoleConfig.of(cfg), i) for i in range(s.num_reward_actors)]
-        # Fail early and clearly if a role cannot even start (bad weights, missing packages); say what is pending.
         names = [("learner" if len(self.learners) == 1 else f"learner-{r}", "learner", a) for r, a in enumerate(self.learners)]
         names += [("buffer", "buffer", self.buffer)]
-        names += [(f"sampler-{i}", "sampler", a) for i, a in enumerate(self.samplers)]
-        names += [(f"reward-{i}", "reward", a) for i, a in enumerate(self.rewards)]
+        if not self.samplers:
+            self.samplers = [ray.remote(classes["sampler"]).options(**place.options("sampler", s.max_actor_restarts), **place.bundle(i))
+                             .remote(cfg, i) for i in range(s.num_samplers)]
+            ropts = place.options("reward", s.max_actor_restarts)
+            if env := reward_runtime_env(cfg):
+                ropts["runtime_env"] = env
+            # the reward actors get their slice of the config: they may run in a package reward's venv
+            self.rewards = [ray.remote(classes["reward"]).options(**ropts).remote(RewardRoleConfig.of(cfg), i) for i in range(s.num_reward_actors)]
+            names += [(f"sampler-{i}", "sampler", a) for i, a in enumerate(self.samplers)]
+            names += [(f"reward-{i}", "reward", a) for i, a in enumerate(self.rewards)]
+        # Fail early and clearly if a role cannot even start (bad weights, missing packages); say what is pending.
         place.wait_until_started(names)
         if len(self.learners) > 1:
             self._form_learner_group()
@@ -138,7 +138,7 @@ class Driver:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> list[dict]:
-        """The run to its last epoch; a dead learner or buffer: every role restored from the last checkpoint."""
+        """The run to its last epoch; a dead learner or buffer: restored from the last checkpoint (_restore)."""
         while True:
             try:
                 return self._session()
@@ -148,18 +148,29 @@ class Driver:
                 self._restore(e)
 
     def _restore(self, e: CoreRoleDied) -> None:
-        """Every actor stopped, the loop's state dropped, the last checkpoint (or the start) loaded."""
+        """The core roles stopped (actors/roles.py keeps_workers), the loop's state dropped, the last checkpoint (or the start) loaded."""
         live = (dict(self.sched.counters), self.t_run)
-        self.shutdown()
+        kept = self._stop_core_roles()
         state, done = restore_point(self.run_dir)
         self.core_restarts += 1
-        print(f"[diffrlhf] {restore_line(e, done, self.core_restarts, self.cfg)}")
+        print(f"[diffrlhf] {restore_line(e, done, self.core_restarts, self.cfg, bool(kept))}")
         self.sched, self.resume, self.resume_state, self.carried = EpochScheduler.from_config(self.cfg), False, state, live  # counters: resume.carry_counters
         self.records = [r for r in self.records if r["epoch"] < done]
         self.weights, self.pending, self.watch, self.later, self.sampled, self.scores, self.grid_inputs = {}, {}, {}, [], {}, {}, {}
-        self.restarts = {f"{name} (before restore {self.core_restarts})": n for name, n in self.restarts.items()}  # still summed
+        self.restarts = restarts_after_restore(self.restarts, kept, self.core_restarts)
         if self.logger is not None:
             self.logger.truncate(done)
+
+    def _stop_core_roles(self) -> list[str]:
+        """The learners and buffer stopped; the samplers and reward actors kept where they can be
+        (actors/roles.py keeps_workers: a cluster's samplers need not load SD1.5 again). The kept names."""
+        if not keeps_workers(self.cfg, self.samplers + self.rewards):
+            self.shutdown()
+            return []
+        queued = [ref for ref, (task, *_) in self.pending.items() if isinstance(task, (SampleTask, ScoreTask))]
+        stop_core_roles(self.learners + [self.buffer], self.samplers, queued)
+        self.placement.release()
+        return [name for name, _ in self._named_actors()[len(self.learners) + 1:]]
 
     def _session(self) -> list[dict]:
         state, sched = resume_from(self.cfg, self.run_dir, self.resume, self.resume_state)
@@ -186,7 +197,7 @@ class Driver:
         try:
             self._submit(self.sched.start())
             while not self.sched.finished:
-                self._observe()
+                observe_queues(self.sched, self.metrics, self.watchdog, len(self.samplers) * self.cfg.system.max_inflight_per_sampler)
                 for ref in self._wait():
                     task, _, _, extra = self.pending.pop(ref)
                     self._submit(self._on_result(ref, task, extra))
@@ -234,7 +245,7 @@ class Driver:
                 extra = (weights, (summary, *(shards if n > 1 else [shards])), *others)
                 self.watch.update({m: ref for m in others})
             else:
-                ref = self._actors(t.role)[t.actor].ping.remote()
+                ref = (self.samplers if t.role == "sampler" else self.rewards)[t.actor].ping.remote()
             self._n += 1
             self.pending[ref] = (t, time.time(), self._n, tuple(extra))
 
@@ -320,11 +331,11 @@ class Driver:
                 self._submit([p for _, p in due])
             idle = now - self._last_progress
             if idle >= limit:
-                raise RunFailed(self._describe_stall())
+                raise RunFailed(describe_stall(self.pending, self.cfg.system.idle_timeout_s))
             step = max(0.01, min([10.0, limit - idle] + [d - now for d, _ in self.later]))
             if not self.pending:
                 if not self.later:
-                    raise RunFailed(f"nothing in flight and nothing to start, {self._describe_stall()}")
+                    raise RunFailed(f"nothing in flight and nothing to start, {describe_stall(self.pending, self.cfg.system.idle_timeout_s)}")
                 time.sleep(step)
                 continue
             refs = list(self.pending) + list(self.watch)
@@ -341,24 +352,6 @@ class Driver:
                 continue
             for warning in self.watchdog.check():
                 print(f"[diffrlhf] watchdog: {warning}")
-
-    def _observe(self) -> None:
-        depths, waits = self.sched.describe()
-        self.metrics.queues(depths)
-        cap = len(self.samplers) * self.cfg.system.max_inflight_per_sampler
-        self.watchdog.queue("sampling", depths["sampling"], cap)
-        self.watchdog.queue("scoring", depths["scoring"], cap)
-        for role, what in waits.items():
-            self.watchdog.waiting(role, what)
-
-    def _actors(self, role: str) -> list:
-        return self.samplers if role == "sampler" else self.rewards
-
-    def _describe_stall(self) -> str:
-        now = time.time()
-        waits = sorted(self.pending.values(), key=lambda p: p[1])[:6]
-        what = "; ".join(f"{t} for {now - since:.0f}s" for t, since, _, _ in waits)
-        return f"nothing finished for {self.cfg.system.idle_timeout_s:.0f}s (system.idle_timeout_s); waiting on: {what or 'nothing'}"
 
     def _after_update(self, epoch: int, metrics: dict, summary: dict, wall: float) -> None:
         c = self.sched.counters

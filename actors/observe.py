@@ -119,3 +119,22 @@ def maybe_wandb(cfg, run_dir):
         print("[diffrlhf] WANDB_PROJECT is set but wandb is not installed; skipping W&B")
         return None
     return wandb.init(project=os.environ["WANDB_PROJECT"], name=str(run_dir.name), config=cfg.to_dict(), dir=str(run_dir))
+
+
+def observe_queues(sched, metrics: RunMetrics, watchdog: Watchdog, cap: int) -> None:
+    """The scheduler's queue depths to the metrics and the watchdog (`cap`: the most the samplers take
+    at once), and what each role waits on."""
+    depths, waits = sched.describe()
+    metrics.queues(depths)
+    watchdog.queue("sampling", depths["sampling"], cap)
+    watchdog.queue("scoring", depths["scoring"], cap)
+    for role, what in waits.items():
+        watchdog.waiting(role, what)
+
+
+def describe_stall(pending: dict, idle_timeout_s: float) -> str:
+    """What a stalled run waits on: its oldest calls in flight (`pending`: ref -> (task, since, n, extra))."""
+    now = time.time()
+    waits = sorted(pending.values(), key=lambda p: p[1])[:6]
+    what = "; ".join(f"{t} for {now - since:.0f}s" for t, since, _, _ in waits)
+    return f"nothing finished for {idle_timeout_s:.0f}s (system.idle_timeout_s); waiting on: {what or 'nothing'}"

@@ -60,8 +60,10 @@ def restore_point(run_dir: Path) -> tuple[dict | None, int]:
     return state, int(state["counters"]["epochs_done"]) if state else 0
 
 
-def restore_line(e: Exception, epochs_done: int, restart: int, cfg) -> str:
-    """One line for an in-run restore: what died, from where the run goes on, which restart of how many."""
+def restore_line(e: Exception, epochs_done: int, restart: int, cfg, kept_workers: bool = False) -> str:
+    """One line for an in-run restore: what died, what is restored (the learner and buffer, the
+    samplers and reward actors kept; or every role), from where, which restart of how many."""
     where = f"the checkpoint at epoch {epochs_done} of {cfg.train.epochs}" if epochs_done else "the start (no checkpoint yet)"
-    return (f"{e}; restoring every role from {where}, within the run "
+    what = "the learner and buffer (the samplers and reward actors kept)" if kept_workers else "every role"
+    return (f"{e}; restoring {what} from {where}, within the run "
             f"(restart {restart} of system.max_core_restarts={cfg.system.max_core_restarts})")

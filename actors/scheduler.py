@@ -32,8 +32,9 @@ class RunFailed(RuntimeError):
 
 
 class CoreRoleDied(RunFailed):
-    """A learner or the buffer died: the driver restores every role from the last checkpoint, within
-    the run, up to system.max_core_restarts times (actors/resume.py); then it is a RunFailed."""
+    """A learner or the buffer died: the driver restores them from the last checkpoint (the samplers
+    and reward actors kept where they can be, actors/roles.py keeps_workers), within the run, up to
+    system.max_core_restarts times (actors/resume.py); then it is a RunFailed."""
 
     def __init__(self, message: str, role: str):
         super().__init__(message)

@@ -39,6 +39,10 @@ class SamplerWorker(Role):
         load_flat_lora(self.components.unet, lora)
         self.version = version
 
+    def forget_weights(self) -> None:
+        """After an in-run restore: the next call loads the weights it is given, whatever their version."""
+        self.version = -1
+
     @timed
     def sample(self, plan, weights: tuple[int, FlatLoRA]):
         """Returns (info, reward input, batch): the reward actors (and the image grid) get the images,

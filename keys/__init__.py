@@ -205,8 +205,8 @@ _TABLE = [
        above=0),
     _k("system.start_timeout_s", float, 900.0, "an actor not started (model loaded) by then is an error", "driver", above=0),
     _k("system.max_actor_restarts", int, 3, "Ray restarts of a dead sampler or reward actor", "driver", at_least=0),
-    _k("system.max_core_restarts", int, 2, "restores of every role from the last checkpoint, within the run, when a learner "
-       "or the buffer dies (0: the run stops and names the resume command)", "driver", at_least=0),
+    _k("system.max_core_restarts", int, 2, "restores of the learner and buffer from the last checkpoint, within the run, when "
+       "one dies (samplers and reward actors kept unless colocated; 0: the run stops and names the resume command)", "driver", at_least=0),
     _k("system.max_batch_retries", int, 2, "re-runs of a batch whose actor died; then it is dropped (counted)", "driver",
        at_least=0),
     _k("system.use_role_resources", bool, False, "ask custom resources sampler/reward/learner (cluster worker groups)", "driver"),

@@ -262,3 +262,32 @@ def test_resource_check_names_the_role_the_keys_and_the_cluster():
     roles = role_requests(load_config("tiny", overrides=["system.use_role_resources=true"]))
     missing = resource_problems(roles, {"CPU": 16.0, "sampler": 1.0}, [{"CPU": 16.0, "sampler": 1.0}])
     assert [p.split(":")[0] for p in missing] == ["reward", "learner", "buffer"]
+
+
+def test_an_in_run_restore_keeps_live_workers_unless_colocated_and_renames_only_the_replaced_roles():
+    """actors/roles.py: a restore keeps the samplers and reward actors only when they are not
+    colocated with the learners (their placement group goes) and every one's state reads as not
+    dead (an unreadable state counts as dead); Ray's restart counts of the replaced roles are kept
+    under '(before restore n)', the kept actors' go on under their names."""
+    from diffrlhf.actors import roles
+
+    class Handle:  # what ray_state reads; no Ray here, so each reads as unknown (None)
+        pass
+
+    split, colocated = load_config("tiny", overrides=[]), load_config("tiny", overrides=["system.colocate=true", "system.num_samplers=1"])
+    assert not roles.keeps_workers(split, [Handle()])  # state unknown: every role starts afresh
+    assert not roles.keeps_workers(split, [])
+    states = iter(["ALIVE", "RESTARTING"])
+    real = roles.ray_state
+    try:
+        roles.ray_state = lambda a: next(states)
+        assert roles.keeps_workers(split, [Handle(), Handle()])
+        roles.ray_state = lambda a: "ALIVE"
+        assert not roles.keeps_workers(colocated, [Handle()])
+        roles.ray_state = lambda a: "DEAD"
+        assert not roles.keeps_workers(split, [Handle()])
+    finally:
+        roles.ray_state = real
+    seen = {"learner": 1, "buffer": 0, "sampler-0": 2, "reward-0": 1}
+    assert roles.restarts_after_restore(seen, ["sampler-0", "reward-0"], 2) == {
+        "learner (before restore 2)": 1, "buffer (before restore 2)": 0, "sampler-0": 2, "reward-0": 1}

@@ -46,8 +46,9 @@ def test_a_learner_dead_before_its_first_weights_is_restored_then_dying_at_the_s
     d.shutdown()
     out = capsys.readouterr().out
     assert (tmp_path / "first-death").exists() and "sampler-0 died" not in out
-    restores = [line for line in out.splitlines() if "restoring every role" in line]
-    assert len(restores) == 1 and re.search(r"the learner actor died: .*; restoring every role from the start \(no checkpoint "
+    restores = [line for line in out.splitlines() if "restoring the learner and buffer" in line]
+    assert len(restores) == 1 and re.search(r"the learner actor died: .*; restoring the learner and buffer \(the samplers and "
+                                            r"reward actors kept\) from the start \(no checkpoint "
                                             r"yet\), within the run \(restart 1 of system.max_core_restarts=1\)$", restores[0]), out
 
 

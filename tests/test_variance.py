@@ -205,6 +205,26 @@ def test_sampler_worker_branch_is_the_policy_function(tiny, tiny_folder, recorde
     assert got.meta == want.meta and got.seeds.tolist() == seeds
 
 
+def test_a_sampler_that_forgot_its_weights_loads_the_next_ones_of_the_same_version(tiny_folder, recorded):
+    """After an in-run restore the kept samplers forget their weights (actors/roles.py
+    stop_core_roles): the restored learner's version N is loaded even though the sampler held a
+    version N before (weights the restored learner may not remake bit for bit)."""
+    from diffrlhf.learner.lora import flat_lora_state, flatten_lora_state
+
+    batch, _ = recorded
+    cfg = load_config("tiny", overrides=[f"model.name={tiny_folder}", "model.device=cpu", "sample.num_steps=6",
+                                         "sample.resolution=32", "system.torch_threads=2"])
+    worker = SamplerWorker(cfg)
+    start = flat_lora_state(worker.components.unet).to_state_dict()
+    other = flatten_lora_state({k: v + 0.5 for k, v in start.items()})
+    worker.branch(batch, 2, 1, [1, 2], weights=(3, flatten_lora_state(start)))
+    worker.branch(batch, 2, 1, [1, 2], weights=(3, other))  # the same version: not loaded again
+    assert all(torch.equal(v, start[k]) for k, v in flat_lora_state(worker.components.unet).to_state_dict().items())
+    worker.forget_weights()
+    worker.branch(batch, 2, 1, [1, 2], weights=(3, other))
+    assert all(torch.equal(v, start[k] + 0.5) for k, v in flat_lora_state(worker.components.unet).to_state_dict().items())
+
+
 @pytest.mark.slow  # 12 s: the bench command end to end (opt-in, like the other bench smoke runs); its parts are tested above
 def test_variance_bench_quick(tmp_path):
     res = variance.main(["--quick", "--trajectories", "3", "--branches", "2", "--reward", "jpeg_compressibility",

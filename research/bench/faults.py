@@ -13,7 +13,7 @@ after the actors started:
   sampler  ray.kill(driver.samplers[i], no_restart=False), i random: Ray restarts it, the driver
            re-sends its batches;
   reward   ray.kill(driver.rewards[i], no_restart=False), likewise;
-  learner  ray.kill(driver.learner): the driver restores every role from the last checkpoint
+  learner  ray.kill(driver.learner): the driver restores the learner and buffer from the last checkpoint
            within the run (system.max_core_restarts). With system.max_core_restarts=0 (as the
            committed faults.json ran, before the restore existed) the run stops with RunFailed naming
            `--resume`, and a new Driver(resume=True) continues from the last checkpoint (or starts
