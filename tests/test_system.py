@@ -80,90 +80,6 @@ def crash_once_sampler(marker: Path):
     return CrashOnceSampler
 
 
-class Stop(Exception):
-    pass
-
-
-def stop_after(epoch):
-    def hook(driver, e):
-        if e == epoch:
-            raise Stop(f"stopped after epoch {e}")
-
-    return hook
-
-
-def test_sampler_deaths_and_a_dead_learner_stop_with_a_checkpoint_that_resumes_exactly(tmp_path, lag1_run, capsys, monkeypatch):
-    """The asynchronous run (lag 1) under three deaths: a sampler killed between epochs (Ray
-    restarts it and it must catch up with the current weights), a sampler that crashes in the
-    middle of its first call of epoch 1 (the call is retried, the batch must come out identical),
-    and the learner, killed after update 1 with epochs sampled from older versions in flight. The
-    sampler deaths do not stop the run; the learner's does, naming the resume command and the
-    checkpoint (2 of 4 epochs done). The user's resume command (`diffrlhf train --resume`, run here
-    in-process on this module's Ray) gives the uninterrupted run, to its final LoRA, and its console
-    says where it resumed, what it redid, and the gain over the whole history (epoch 0 on), as an
-    uninterrupted run's would be. (One run for the three deaths and the resume: each Ray run costs
-    its actors' start-up. The `resume=True` path of the driver is resumed in the colocated-group test.)"""
-    from diffrlhf.deploy import cli
-    from diffrlhf.deploy.baseline import summary_line
-    from diffrlhf.deploy.runlog import RunLogger
-
-    straight_dir, full, _, _ = lag1_run
-    cfg, run = cfg_with(*LAG1, "system.max_core_restarts=0"), tmp_path / "b"
-    killed = []
-
-    def kill_actors(driver, epoch):
-        if epoch == 0:
-            ray.kill(driver.samplers[1], no_restart=False)
-            killed.append("sampler-1")
-        if epoch == 1:
-            ray.kill(driver.learner)
-
-    # system.max_core_restarts=0: the stop and the user's resume (the in-run restore is the next test)
-    logger = RunLogger(run, cfg, tensorboard=False)
-    d = Driver(cfg, run, logger=logger, progress=False, worker_classes={"sampler": crash_once_sampler(tmp_path / "marker")},
-               on_update=kill_actors)
-    with pytest.raises(RunFailed, match=r"(?s)learner actor died.*max_core_restarts=0 spent.*The last checkpoint \(2 of 4 epochs done\).*--resume"):
-        d.run()
-    first = d.records
-    d.shutdown()
-    logger.close()
-    assert killed and (tmp_path / "marker").exists()
-    assert first[-1]["actor_deaths"] >= 1 and first[-1]["sample_retries"] >= 1 and first[-1]["batches_dropped"] == 0
-    saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
-    assert saved["counters"]["epochs_done"] == 2 and sorted(saved["versions"]) == [1, 2]
-    # resumed with one sampler fewer: the plan, not the sampler count, fixes each epoch's samples
-    capsys.readouterr()
-    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # as under `ray job submit`: this Ray's fake GPUs
-    from ray._private import worker as ray_worker
-
-    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # the CLI reroutes it; restored after
-    assert cli.main(["train", "--no-progress", "--resume", str(run), "system.num_samplers=1"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    rest = logged[len(first):]
-    assert [[r["epoch"] for r in p] for p in (first, rest)] == [[0, 1], [2, 3]]
-    # the retried batch was identical and the restarted samplers used the current weights: the
-    # uninterrupted run's numbers, epoch by epoch
-    resumed = first + rest
-    for a, b in zip(resumed, full):
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
-    lost = resumed[-1]["reward_queries_lost"]  # scored but not trained at the stop: paid for twice
-    assert full[-1]["reward_queries_total"] == 32 and resumed[-1]["reward_queries_total"] == 32 + lost
-    assert resumed[-1]["reward_queries_lost"] >= 0 and rest[0]["wall_s"] > first[-1]["wall_s"]  # wall time continues
-    a, b = final_lora(straight_dir), final_lora(run)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
-    # the console: where it resumed, and the gain over the whole history, not the part after the resume
-    assert any(ln.startswith("[diffrlhf] resuming at epoch 2 of 4 from the checkpoint; redone: ") for ln in out), out
-    assert any(ln.startswith("[diffrlhf] 4 epochs (2 after the resume)") for ln in out), out
-    gain = [ln for ln in out if ln.startswith("[diffrlhf] reward ") and "gain" in ln]
-    whole, after = summary_line(logged, None), summary_line(logged[2:], None)
-    assert whole != after  # the two readings differ, so the line tells them apart
-    assert len(gain) == 1 and gain[0].startswith(f"[diffrlhf] {whole}"), (gain, whole)
-
-
 def buffer_dying_in_its_shards_once(marker):
     class DyingBuffer(BufferWorker):  # dies in epoch 3's update after its summary returned: the learner gets no input
         def training_batch(self, epoch, n):
@@ -175,57 +91,93 @@ def buffer_dying_in_its_shards_once(marker):
     return DyingBuffer
 
 
-def test_a_dead_learner_then_a_dead_buffer_are_each_restored_within_the_run(tmp_path, lag1_run, capsys):
-    """The learner killed after update 1 (the next epoch sampled and scored in flight), then the
-    buffer dying in epoch 3's update after its summary returned, so the learner's call fails for want
-    of input (one run for both roles: a Ray run's start-up is most of its cost). The driver names each
-    death's role in one line (the buffer's, not the learner's whose call it broke), restores every
-    role from the last checkpoint (2, then 3 of 4 epochs done) and the run finishes by itself, epoch
-    for epoch the uninterrupted run's rewards, losses and final LoRA. The queries answered before a
-    death and asked again after it stay in reward_queries_total and are counted in
-    reward_queries_lost: the total adds up."""
+
+def test_sampler_deaths_a_learner_restored_in_the_run_and_a_buffer_death_past_the_limit_resume_exactly(
+        tmp_path, lag1_run, capsys, monkeypatch):
+    """The asynchronous run (lag 1) under four deaths (one run for all: each Ray run costs its
+    actors' start-up):
+    1. a sampler killed between epochs: Ray restarts it and it catches up with the current weights;
+    2. a sampler that crashes in the middle of its first call of epoch 1: the call is retried, the
+       batch comes out identical;
+    3. the learner, killed after update 1 with epochs sampled from older versions in flight: the
+       driver names it in one line and restores the learner and buffer from the checkpoint (2 of 4
+       epochs done) within the run (system.max_core_restarts=1), keeping the samplers and the reward
+       actor (they forget their weights and load the restored learner's);
+    4. the buffer, dying in epoch 3's update after its summary returned, so the learner's call fails
+       for want of input: named as the buffer's death (not the learner's whose call it broke); the
+       one restore is spent, so the run stops naming the checkpoint (3 of 4 epochs done) and `--resume`.
+    The user's resume command (`diffrlhf train --resume`, run here in-process on this module's Ray,
+    with one sampler: the plan, not the sampler count, fixes the samples) gives the uninterrupted
+    run, epoch for epoch, to its final LoRA; the queries answered before a death and asked again
+    after it stay in reward_queries_total and are counted in reward_queries_lost; its console says
+    where it resumed and the gain over the whole history (epoch 0 on), as an uninterrupted run's would.
+    (The `resume=True` path of the driver is resumed in the colocated-group test.)"""
     import re
 
-    straight_dir, full, _, _ = lag1_run
-    run, killed, ids = tmp_path / "run", [], {}
+    from diffrlhf.deploy import cli
+    from diffrlhf.deploy.baseline import summary_line
+    from diffrlhf.deploy.runlog import RunLogger
 
-    def kill(driver, epoch):
+    straight_dir, full, _, _ = lag1_run
+    cfg, run = cfg_with(*LAG1, "system.max_core_restarts=1"), tmp_path / "b"
+    killed, ids = [], {}
+
+    def kill_actors(driver, epoch):
         ids[epoch] = [a._actor_id for a in driver.samplers + driver.rewards + driver.learners + [driver.buffer]]
-        if epoch == 1 and not killed:
+        if epoch == 0:
+            ray.kill(driver.samplers[1], no_restart=False)
+            killed.append("sampler-1")
+        if epoch == 1 and "learner" not in killed:
             ray.kill(driver.learner)
             killed.append("learner")
 
-    from diffrlhf.deploy.runlog import RunLogger
-
-    capsys.readouterr()
-    # one sampler (the uninterrupted run had two): the plan fixes the samples, and a sampler is an
-    # actor start-up fewer
-    cfg = cfg_with(*LAG1, "system.num_samplers=1")
-    d = Driver(cfg, run, logger=RunLogger(run, cfg, tensorboard=False), progress=False, on_update=kill,
-               worker_classes={"buffer": buffer_dying_in_its_shards_once(tmp_path / "buffer-died")})
-    records = d.run()
+    logger = RunLogger(run, cfg, tensorboard=False)
+    d = Driver(cfg, run, logger=logger, progress=False, on_update=kill_actors,
+               worker_classes={"sampler": crash_once_sampler(tmp_path / "marker"),
+                               "buffer": buffer_dying_in_its_shards_once(tmp_path / "buffer-died")})
+    with pytest.raises(RunFailed, match=r"(?s)the buffer actor died.*max_core_restarts=1 spent.*The last checkpoint \(3 of 4 epochs done\).*--resume"):
+        d.run()
+    first = d.records
     d.shutdown()
+    logger.close()
     out = capsys.readouterr().out
-    assert killed == ["learner"] and (tmp_path / "buffer-died").exists() and d.core_restarts == 2
-    restore = [line for line in out.splitlines() if "restoring the learner and buffer" in line]
-    assert len(restore) == 2, out
-    for line, (role, done, n) in zip(restore, [("learner", 2, 1), ("buffer", 3, 2)]):
-        assert re.search(rf"the {role} actor died: .*; restoring the learner and buffer \(the samplers and reward actors kept\) "
-                         rf"from the checkpoint at epoch {done} of 4, "
-                         rf"within the run \(restart {n} of system.max_core_restarts=2\)$", line), line
-    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
-    # the sampler and the reward actor kept over both restores (the sampler forgot its weights and
-    # loaded the restored learner's: the rewards below are the uninterrupted run's); learner and buffer new
-    (s0, r0, l0, b0), (s3, r3, l3, b3) = ids[0], ids[3]
-    assert (s3, r3) == (s0, r0) and l3 != l0 and b3 != b0
-    for a, b in zip(records, full):
+    assert killed == ["sampler-1", "learner"] and (tmp_path / "marker").exists() and (tmp_path / "buffer-died").exists()
+    assert first[-1]["actor_deaths"] >= 2 and first[-1]["sample_retries"] >= 1 and first[-1]["batches_dropped"] == 0
+    restore = [line for line in out.splitlines() if "restoring" in line]
+    assert len(restore) == 1 and re.search(r"the learner actor died: .*; restoring the learner and buffer \(the samplers and "
+                                           r"reward actors kept\) from the checkpoint at epoch 2 of 4, within the run "
+                                           r"\(restart 1 of system.max_core_restarts=1\)$", restore[0]), out
+    # the samplers and the reward actor kept over the restore; the learner and buffer new
+    (s0, s1, r0, l0, b0), (s0b, s1b, r0b, l2, b2) = ids[0], ids[2]
+    assert (s0b, s1b, r0b) == (s0, s1, r0) and l2 != l0 and b2 != b0
+    saved = torch.load(run / "checkpoint" / "state.pt", weights_only=False)
+    assert saved["counters"]["epochs_done"] == 3 and sorted(saved["versions"]) == [2, 3]
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # as under `ray job submit`: this Ray's fake GPUs
+    from ray._private import worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # the CLI reroutes it; restored after
+    assert cli.main(["train", "--no-progress", "--resume", str(run), "system.num_samplers=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rest = logged[len(first):]
+    assert [[r["epoch"] for r in p] for p in (first, rest)] == [[0, 1, 2], [3]]
+    # the retried batch was identical, the restarted and kept samplers used the current weights: the
+    # uninterrupted run's numbers, epoch by epoch
+    resumed = first + rest
+    for a, b in zip(resumed, full, strict=True):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-        assert a["reward_queries"] == b["reward_queries"]
-    lost = records[-1]["reward_queries_lost"]
-    assert lost >= 8 and records[-1]["reward_queries_total"] == 32 + lost and records[-1]["actor_deaths"] >= 2
-    assert [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
+    lost = resumed[-1]["reward_queries_lost"]  # scored but not trained at a death: paid for twice
+    assert full[-1]["reward_queries_total"] == 32 and lost >= 8 and resumed[-1]["reward_queries_total"] == 32 + lost
+    assert rest[0]["wall_s"] > first[-1]["wall_s"]  # wall time continues
     a, b = final_lora(straight_dir), final_lora(run)
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
-
-
+    # the console: where it resumed, and the gain over the whole history, not the part after the resume
+    assert any(ln.startswith("[diffrlhf] resuming at epoch 3 of 4 from the checkpoint; redone: ") for ln in out), out
+    assert any(ln.startswith("[diffrlhf] 4 epochs (1 after the resume)") for ln in out), out
+    gain = [ln for ln in out if ln.startswith("[diffrlhf] reward ") and "gain" in ln]
+    whole, after = summary_line(logged, None), summary_line(logged[3:], None)
+    assert whole != after  # the two readings differ, so the line tells them apart
+    assert len(gain) == 1 and gain[0].startswith(f"[diffrlhf] {whole}"), (gain, whole)

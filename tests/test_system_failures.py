@@ -65,9 +65,21 @@ def hanging_sampler():
     return HangingSampler
 
 
+def modelless_learner():
+    class ModelLessLearner(LearnerWorker):
+        def __init__(self, cfg, rank: int = 0, world: int = 1):  # no model: the sampler it feeds never samples
+            self._init_role(cfg, "learner")
+            self.rank, self.world = rank, world
+
+        def weights(self):
+            return 0, None
+
+    return ModelLessLearner
+
+
 def test_a_stalled_role_is_reported_not_waited_on_forever(tmp_path):
     cfg = cfg_with("train.epochs=1", "system.idle_timeout_s=3", "system.num_samplers=1")
-    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"sampler": hanging_sampler()})
+    d = Driver(cfg, tmp_path / "run", progress=False, worker_classes={"sampler": hanging_sampler(), "learner": modelless_learner()})
     with pytest.raises(RunFailed, match=r"nothing finished for 3s.*waiting on: sample of epoch 0 batch 0"):
         d.run()
     d.shutdown()
