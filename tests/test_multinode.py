@@ -65,7 +65,7 @@ def answer_when_restarted(actor, timeout_s: float) -> dict:
 @pytest.fixture(scope="module")
 def cluster():
     ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"buffer": 1, "reward": 1}})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"buffer": 1, "reward": 1}, "include_dashboard": False})
     nodes = {"learner-a": c.add_node(num_cpus=1, resources={"learner": 1}),
              "learner-b": c.add_node(num_cpus=1, resources={"learner": 1}),
              "sampler-a": c.add_node(num_cpus=1, resources={"sampler": 1}),
