@@ -176,10 +176,8 @@ class RunLogger:
 
     def log_recast(self, result: dict) -> Path:
         """One ReCAST probe: a line of recast.jsonl and recast_weights.png (its W and gains)."""
-        keys = ("round", "term_names", "budgets", "shifts", "queries", "weights", "gains", "discriminability")
-        line = {k: np.asarray(result[k]).tolist() if k in ("weights", "gains", "discriminability") else result[k] for k in keys}
         with open(self.dir / "recast.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(recast_record(result)) + "\n")
         return save_recast_picture(result, self.dir / "recast_weights.png")
 
     def save_grid(self, images, captions: list[str], name: str, cols: int = 8) -> Path:
@@ -217,6 +215,12 @@ def save_image_grid(images, captions: list[str] | None, path: str | Path, cols: 
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return path
+
+
+def recast_record(result: dict) -> dict:
+    """What a ReCAST probe's result keeps (a line of recast.jsonl): plain lists, JSON-ready."""
+    keys = ("round", "term_names", "budgets", "shifts", "queries", "weights", "gains", "discriminability")
+    return {k: np.asarray(result[k]).tolist() if k in ("weights", "gains", "discriminability") else result[k] for k in keys}
 
 
 def save_recast_picture(result: dict, path: str | Path) -> Path:

@@ -32,6 +32,8 @@ def test_results_quotes_the_plan_it_was_committed_with():
 def test_the_runner_saves_a_real_and_a_control_run_with_each_rewards_held_out_mean(tmp_path):
     import json
 
+    import numpy as np
+
     real, control = [j for j in rs.jobs() if j["method"] == "recast_pre" and j["weight"] == 0.5][:2]
     for job in (real, control):
         path = rs.run_job(tmp_path, job, size="tiny", nice=0)
@@ -43,4 +45,6 @@ def test_the_runner_saves_a_real_and_a_control_run_with_each_rewards_held_out_me
         probe = 2 + 2 * 2 * 3
         assert [r["reward_queries"] for r in saved["records"]] == [probe + 4, probe + 8]
         assert "reward_mean/" + saved["eval"]["term_names"][1] in saved["records"][0]
+        (w,) = [p["weights"] for p in saved["recast_probes"]]  # the one probe's W: 2 rewards x 3 steps at this size
+        assert np.asarray(w).shape == (2, 3) and np.isfinite(w).all()
     assert rs.status(tmp_path)["done"] == 2

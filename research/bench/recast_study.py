@@ -130,6 +130,7 @@ def run_job(out: Path, job: dict, size: str = "full", threads: int = 1, nice: in
 
     from diffrlhf.actors.reference_loop import run_reference
     from diffrlhf.deploy.config import load_config
+    from diffrlhf.deploy.runlog import recast_record
     from research.bench.common import log, machine, write_json
 
     path = run_path(out, job)
@@ -141,15 +142,28 @@ def run_job(out: Path, job: dict, size: str = "full", threads: int = 1, nice: in
     evals, t0 = {}, time.time()
     tag = f"{job['method']} lambda {job['weight']:g} seed {job['seed']}{' control' if job['control'] else ''}"
 
+    class ProbeRecords:  # the reference loop's logger, as far as it is used here: each ReCAST probe's W and gains
+        def __init__(self):
+            self.probes = []
+
+        def log(self, rec):
+            pass
+
+        def log_recast(self, result):
+            self.probes.append(recast_record(result))
+
+    probes = ProbeRecords()
+
     def on_epoch(epoch, batch, learner):
         log("recast_study", f"{tag} epoch {epoch + 1}/{cfg.train.epochs} ({time.time() - t0:.0f}s)")
         if epoch == cfg.train.epochs - 1:
             evals.update(heldout_terms(learner.c, learner.negative_embeds, cfg, SIZES[size]["eval_samples"], learner.version))
 
-    records = run_reference(cfg, progress=False, on_epoch=on_epoch)
+    records = run_reference(cfg, logger=probes, progress=False, on_epoch=on_epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # recast_probes: W and the per-step gains of each probe (the plan's W pictures); none for the weighted sum
     write_json(path, {"job": job, "plan_digest": plan_digest(), "config": cfg.to_dict(), "records": records, "eval": evals,
-                      "wall_s": time.time() - t0, "machine": machine()})
+                      "recast_probes": probes.probes, "wall_s": time.time() - t0, "machine": machine()})
     return str(path)
 
 
