@@ -35,6 +35,11 @@ PLAN = {
     "seeds": [300, 301, 302, 303, 304],  # fresh: used by nothing else
     "measures": ["each reward's mean over the last 3 epochs minus epoch 0, net of the same seed's control run, at equal total reward queries "
                  "(the weighted sum's curve read at ReCAST's total, probe included)",
+                 # amendment 1, before any run: the reading above cannot be made (ReCAST's total, its probe
+                 # included, exceeds the weighted sum's whole run); what it means, made explicit
+                 "amendment 1: 'at equal total reward queries' is read so: every run's curve at its last epoch whose cumulative reward "
+                 "queries (the probe's included) are at most the weighted sum's total at its end (same lambda and seed); the 3 epochs "
+                 "ending there; the control read the same way (research/bench/recast_answer.py)",
                  "each reward's held-out mean (prompts.eval, fixed noise), net of the control's"],
     "comparisons": "each ReCAST mode against the weighted sum at the same lambda, per reward (2 modes x 3 weights x 2 rewards = 12)",
     "test": "paired t-test over the 5 seeds of the net training gain difference, two-sided",
