@@ -122,7 +122,9 @@ def failing_sampler():
 
 
 def test_an_actor_that_cannot_start_shows_its_whole_error(tmp_path):
-    d = Driver(cfg_with("train.epochs=1"), tmp_path / "run", progress=False, worker_classes={"sampler": failing_sampler()})
+    # two samplers (each fails), a learner that loads no model (the run ends before it is needed)
+    d = Driver(cfg_with("train.epochs=1"), tmp_path / "run", progress=False,
+               worker_classes={"sampler": failing_sampler(), "learner": modelless_learner()})
     with pytest.raises(RunFailed, match=r"the sampler-\d actor failed to start: .*no weights for model 'x' in /cache/x\n"
                                         r"fetch them with: diffrlhf fetch-weights x"):
         d.run()
