@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in o
 REPO = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
 # The tiny preset, shortened; lag 0 so the reference loop gives the same numbers.
-OVERRIDES = ["train.epochs=1", "sample.batches_per_epoch=2", "sample.num_steps=8", "system.max_policy_lag=0",
+OVERRIDES = ["train.epochs=1", "sample.batches_per_epoch=1", "sample.num_steps=4", "system.max_policy_lag=0",
              "system.num_samplers=1", "run.image_grid_every=0", "run.tensorboard=false"]
 
 
@@ -103,7 +103,7 @@ def test_ray_job_submit_runs_the_tiny_preset_like_the_reference_loop(head, tmp_p
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0]
     assert (run / "checkpoint" / "state.pt").exists() and (run / "lora" / "epoch_0001").is_dir()
-    assert [r["reward_queries"] for r in records] == [16]
+    assert [r["reward_queries"] for r in records] == [8]
 
     reference = reference_like_actors(load_config("tiny", overrides=OVERRIDES))
     for a, b in zip(records, reference, strict=True):
