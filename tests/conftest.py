@@ -6,11 +6,14 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# OpenMP threads that wait for work sleep instead of spinning (read when torch loads OpenMP, so set
-# before `import torch`; inherited by the Ray workers and CLIs the tests start). With two test
-# processes and Ray's actors on two cores, spinning threads took the cores from the ones with work:
-# single tests ran up to 10x slower than alone. The numbers are the same: only the waiting differs.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# In a pytest-xdist worker (-n 2), OpenMP threads that wait for work sleep instead of spinning (read
+# when torch loads OpenMP, so set before `import torch`; inherited by the Ray workers and CLIs the
+# tests start). With two test processes and Ray's actors on two cores, spinning threads took the
+# cores from the ones with work: two golden-test runs at once took 59 s, 19 s so. Alone (one
+# process, `-m quick`) sleeping costs a wake-up per parallel region: the quick tier took 105 s so,
+# 78 s without. The numbers are the same either way: only the waiting differs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402  (after OMP_WAIT_POLICY)
 
 # The suite touches nothing outside its own temporary folder: the project's cache, HOME-based caches
@@ -27,8 +30,8 @@ torch.set_num_threads(2)
 
 # The modules made of whole Ray runs take most of the suite's time. With -n 2 they go, as one unit
 # of work, to one worker in turn, first; the other worker runs every other module. Measured on a
-# quiet 2-core machine: 296 s so, 325 s with two of them (job submit, reaper) on the other worker:
-# two Ray start-ups at once only wait on each other.
+# quiet 2-core machine: 296 s and 300 s so; 325 s with two of them (job submit, reaper) first on the
+# other worker (two Ray start-ups at once only wait on each other), 300 s with the reaper last there.
 RAY_RUNS = ("test_system_failures.py", "test_system.py", "test_multinode.py", "test_job_submit.py", "test_reaper.py")
 
 
