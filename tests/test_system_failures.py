@@ -19,6 +19,12 @@ pytestmark = pytest.mark.integration  # Ray clusters, CLI runs and installs in o
 
 def learner_dying_at_its_first_weights_then_at_every_checkpoint_save(marker):
     class DyingLearner(LearnerWorker):
+        def __init__(self, cfg, rank: int = 0, world: int = 1):
+            if marker.exists():
+                super().__init__(cfg, rank, world)
+            else:  # the first incarnation loads no model: it dies before any is needed
+                self._init_role(cfg, "learner")
+
         def weights(self):  # the first incarnation dies before the samplers get version 0
             if not marker.exists():
                 marker.write_text("died")
