@@ -2,7 +2,9 @@
 
 It calls exactly the functions the distributed system's actors wrap, in the synchronous DDPO
 order, and is the correctness baseline (the Ray system with max_policy_lag=0 must reproduce its
-numbers) and the yardstick for the system's overhead.
+numbers) and the yardstick for the system's overhead. With pin_versions=True it samples epoch e
+with the policy version the Ray driver pins for it, max(0, e - system.max_policy_lag)
+(actors/scheduler.py): an asynchronous run's numbers without its timing.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from diffrlhf.actors.settings import (advantage_computer, build_policy, plan_for
                                       sampling_settings, train_rows)
 from diffrlhf.buffer.epoch import attach_rewards, epoch_record, finalize_epoch
 from diffrlhf.buffer.trajectory import TrajectoryBatch
+from diffrlhf.learner.lora import FlatLoRA, flat_lora_state, load_flat_lora
 from diffrlhf.policy.branching import sample_plan
 from diffrlhf.policy.prompts import load_prompts
 
 
-def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> list[dict]:
-    """Run cfg.train.epochs epochs in this process; returns one record per epoch."""
+def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None, pin_versions: bool = False) -> list[dict]:
+    """Run cfg.train.epochs epochs in this process; returns one record per epoch. pin_versions:
+    sample as the Ray driver does with system.max_policy_lag (else every epoch with the current policy)."""
     torch.manual_seed(cfg.run.seed)
     comps, learner = build_policy(cfg)
     settings = sampling_settings(cfg)
@@ -53,12 +57,21 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None) -> lis
         probe(0)
     if 0 in recast_rounds:
         probe_recast(0)
+    lag = cfg.system.max_policy_lag if pin_versions else 0
+    older: dict[int, FlatLoRA] = {}  # with a lag: the versions an epoch yet to be sampled may use
     for epoch in range(cfg.train.epochs):
         t0 = time.time()
+        version = max(0, epoch - lag)
+        if lag:
+            older = {v: w for v, w in older.items() if v >= version}
+            older[learner.version] = flat_lora_state(comps.unet)
+            load_flat_lora(comps.unet, older[version])
         parts = []
         for bi in range(cfg.sample.batches_per_epoch):
             plan = plan_for(cfg, prompt_list, epoch, bi)
-            parts.append(sample_plan(comps, plan, settings, learner.version, learner.negative_embeds))
+            parts.append(sample_plan(comps, plan, settings, version if lag else learner.version, learner.negative_embeds))
+        if lag:
+            load_flat_lora(comps.unet, older[learner.version])  # back to the policy the learner trains
         t_sample = time.time() - t0
         sampled = TrajectoryBatch.cat(parts)
         score = rewards.score(sampled.sample_ids.tolist(), sampled.images.numpy(), sampled.prompts)

@@ -1,6 +1,7 @@
 """The Ray system end to end on the tiny random model, in one local Ray with fake GPUs."""
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,52 +20,36 @@ LAG1 = ("train.epochs=4", "system.max_policy_lag=1", "system.max_inflight_per_sa
 
 
 @pytest.fixture(scope="module")
-def lag1_run(tmp_path_factory):
-    """Four asynchronous epochs, uninterrupted (also what the resumed runs must equal)."""
-    from diffrlhf.deploy.runlog import RunLogger
+def lag1_reference():
+    """The four asynchronous epochs, uninterrupted, as the reference loop makes them with the driver's
+    pinned versions (epoch e sampled with version max(0, e - 1)): what the Ray run below must equal,
+    epoch by epoch and to its final LoRA. In this process, at the actors' torch threads."""
+    from diffrlhf.actors.reference_loop import run_reference
 
-    run_dir = tmp_path_factory.mktemp("lag1") / "run"
-    cfg = cfg_with(*LAG1)
-    d = Driver(cfg, run_dir, logger=RunLogger(run_dir, cfg, tensorboard=False), progress=False)
-    records = d.run()
-    gpu_ids = ray.get([s.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")) for s in d.samplers])
-    d.shutdown()
-    return run_dir, records, d.role_stats, gpu_ids
+    cfg, final = cfg_with(*LAG1), {}
 
+    def keep_final(epoch, batch, learner):
+        if epoch == cfg.train.epochs - 1:
+            final.update(learner.state_dict()["lora"])
 
-def test_images_reach_the_reward_actors_and_the_grid_but_not_the_buffer_or_the_checkpoint(lag1_run):
-    """The decoded images go to the reward actors and the image grid only (issue 51): the buffer's
-    epochs in the checkpoint (what the learner's batches are cut from) hold none; the grids of the
-    due epochs (run.image_grid_every=2, and the last) are drawn from the reward inputs."""
-    import numpy as np
-    from PIL import Image
-
-    from diffrlhf.actors.checkpoint import load_checkpoint
-    from diffrlhf.buffer.trajectory import TrajectoryBatch
-
-    run = lag1_run[0]
-    held = [TrajectoryBatch.from_ipc_bytes(b) for b in load_checkpoint(run)["buffer"]["replay"]["epochs"].values()]
-    assert held and all(b.images.shape == (len(b), 0, 0, 3) and b.latents.numel() > 0 for b in held)
-    grids = sorted((run / "grids").iterdir())
-    assert [g.name for g in grids] == ["epoch_0000.png", "epoch_0002.png", "epoch_0003.png"]
-    assert all(np.asarray(Image.open(g)).std() > 0 for g in grids)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.system.torch_threads)
+    try:
+        records = run_reference(cfg, progress=False, on_epoch=keep_final, pin_versions=True)
+    finally:
+        torch.set_num_threads(threads)
+    return records, final
 
 
-def test_async_run_counts_queries_and_pins_policy_versions(lag1_run):
-    run, records, role_stats, gpu_ids = lag1_run
-    assert [r["reward_queries"] for r in records] == [8, 16, 24, 32]  # exact: every scored image once
-    assert all(r["reward_queries_total"] >= r["reward_queries"] for r in records)
-    assert records[-1]["reward_queries_total"] == 32 and records[-1]["reward_queries_lost"] == 0  # nothing scored twice
-    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]  # versions monotone, one per update
-    # epoch e is sampled with version max(0, e - 1), however the samplers were timed: the pipeline overlapped
-    assert [r["policy_lag_max"] for r in records] == [0, 1, 1, 1] and [r["policy_lag_mean"] for r in records] == [0, 1, 1, 1]
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[-1])["epoch"] == 3
-    assert (run / "reward_curve.png").exists() and (run / "grids" / "epoch_0000.png").exists()
-    assert (run / "lora" / "epoch_0004" / "pytorch_lora_weights.safetensors").exists()
-    # placement: each sampler got its own (fake) GPU
-    assert {"sampler-0", "sampler-1", "reward-0", "learner", "buffer"} <= {r["role"] for r in role_stats}
-    assert sorted(gpu_ids) == ["0", "1"]
+def gpu_ids_once_up(actors, timeout_s: float = 120) -> list:
+    """Each actor's CUDA_VISIBLE_DEVICES; an actor Ray is restarting is asked again (its call fails at once)."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return ray.get([a.__ray_call__.remote(lambda self: os.environ.get("CUDA_VISIBLE_DEVICES")) for a in actors], timeout=60)
+        except ray.exceptions.ActorUnavailableError:
+            assert time.time() < deadline, "a sampler did not come back"
+            time.sleep(0.5)
 
 
 def crash_once_sampler(marker: Path):
@@ -93,7 +78,7 @@ def buffer_dying_in_its_shards_once(marker):
 
 
 def test_sampler_deaths_a_learner_restored_in_the_run_and_a_buffer_death_past_the_limit_resume_exactly(
-        tmp_path, lag1_run, capsys, monkeypatch):
+        tmp_path, lag1_reference, capsys, monkeypatch):
     """The asynchronous run (lag 1) under four deaths (one run for all: each Ray run costs its
     actors' start-up):
     1. a sampler killed between epochs: Ray restarts it and it catches up with the current weights;
@@ -114,17 +99,22 @@ def test_sampler_deaths_a_learner_restored_in_the_run_and_a_buffer_death_past_th
     (The `resume=True` path of the driver is resumed in the colocated-group test.)"""
     import re
 
+    import numpy as np
+    from PIL import Image
+
+    from diffrlhf.buffer.trajectory import TrajectoryBatch
     from diffrlhf.deploy import cli
     from diffrlhf.deploy.baseline import summary_line
     from diffrlhf.deploy.runlog import RunLogger
 
-    straight_dir, full, _, _ = lag1_run
+    full, final = lag1_reference
     cfg, run = cfg_with(*LAG1, "system.max_core_restarts=1"), tmp_path / "b"
-    killed, ids = [], {}
+    killed, ids, gpus = [], {}, []
 
     def kill_actors(driver, epoch):
         ids[epoch] = [a._actor_id for a in driver.samplers + driver.rewards + driver.learners + [driver.buffer]]
-        if epoch == 0:
+        if epoch == 0:  # placement first: each sampler got its own (fake) GPU
+            gpus.extend(gpu_ids_once_up(driver.samplers))
             ray.kill(driver.samplers[1], no_restart=False)
             killed.append("sampler-1")
         if epoch == 1 and "learner" not in killed:
@@ -162,18 +152,34 @@ def test_sampler_deaths_a_learner_restored_in_the_run_and_a_buffer_death_past_th
     rest = logged[len(first):]
     assert [[r["epoch"] for r in p] for p in (first, rest)] == [[0, 1, 2], [3]]
     # the retried batch was identical, the restarted and kept samplers used the current weights: the
-    # uninterrupted run's numbers, epoch by epoch
+    # uninterrupted run's numbers (the reference loop with the pinned versions), epoch by epoch
     resumed = first + rest
     for a, b in zip(resumed, full, strict=True):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-        assert a["reward_queries"] == b["reward_queries"] and a["policy_lag_mean"] == b["policy_lag_mean"]
+    assert [r["reward_queries"] for r in resumed] == [8, 16, 24, 32]  # exact: every planned image scored once
     lost = resumed[-1]["reward_queries_lost"]  # scored but not trained at a death: paid for twice
-    assert full[-1]["reward_queries_total"] == 32 and lost >= 8 and resumed[-1]["reward_queries_total"] == 32 + lost
+    assert lost >= 8 and resumed[-1]["reward_queries_total"] == 32 + lost
     assert rest[0]["wall_s"] > first[-1]["wall_s"]  # wall time continues
-    a, b = final_lora(straight_dir), final_lora(run)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    # versions monotone, one per update; epoch e sampled with version max(0, e - 1) however the
+    # samplers were timed, across the restore and the resume
+    assert [r["policy_version"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["policy_lag_max"] for r in resumed] == [0, 1, 1, 1] and [r["policy_lag_mean"] for r in resumed] == [0, 1, 1, 1]
+    b = final_lora(run)
+    assert final.keys() == b.keys()
+    for k in final:
+        torch.testing.assert_close(final[k], b[k], atol=1e-6, rtol=1e-5)
+    assert sorted(gpus) == ["0", "1"]
+    assert (run / "reward_curve.png").exists() and (run / "lora" / "epoch_0004" / "pytorch_lora_weights.safetensors").exists()
+    assert {"sampler-0", "reward-0", "learner", "buffer"} <= {r["role"] for r in json.loads((run / "roles.json").read_text())}
+    # The decoded images go to the reward actors and the image grid only (issue 51): the buffer's
+    # epochs in the checkpoint (what the learner's batches are cut from) hold none; the grids of the
+    # due epochs (run.image_grid_every=2, and the last) are drawn from the reward inputs, over the
+    # restore and the resume.
+    held = [TrajectoryBatch.from_ipc_bytes(x) for x in load_checkpoint(run)["buffer"]["replay"]["epochs"].values()]
+    assert held and all(x.images.shape == (len(x), 0, 0, 3) and x.latents.numel() > 0 for x in held)
+    grids = sorted((run / "grids").iterdir())
+    assert [g.name for g in grids] == ["epoch_0000.png", "epoch_0002.png", "epoch_0003.png"]
+    assert all(np.asarray(Image.open(g)).std() > 0 for g in grids)
     # the console: where it resumed, and the gain over the whole history, not the part after the resume
     assert any(ln.startswith("[diffrlhf] resuming at epoch 3 of 4 from the checkpoint; redone: ") for ln in out), out
     assert any(ln.startswith("[diffrlhf] 4 epochs (1 after the resume)") for ln in out), out
