@@ -7,15 +7,21 @@ import re
 import ray
 
 
-def ray_restarts(actor) -> int | None:
-    """How often Ray restarted the actor, from its GCS record (a private Ray API: None where it
-    is not available)."""
+def gcs_field(actor, field: str):
+    """A field of the actor's GCS record (NumRestarts, State, ...); a private Ray API: None where it
+    is not available."""
     try:
         from ray._private.state import actors
 
-        return int(actors(actor._actor_id.hex())["NumRestarts"])
+        return actors(actor._actor_id.hex())[field]
     except Exception:
         return None
+
+
+def ray_restarts(actor) -> int | None:
+    """How often Ray restarted the actor, from its GCS record."""
+    n = gcs_field(actor, "NumRestarts")
+    return None if n is None else int(n)
 
 
 def outcome(ref):

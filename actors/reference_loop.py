@@ -61,16 +61,17 @@ def run_reference(cfg, logger=None, progress: bool = True, on_epoch=None, pin_ve
     older: dict[int, FlatLoRA] = {}  # with a lag: the versions an epoch yet to be sampled may use
     for epoch in range(cfg.train.epochs):
         t0 = time.time()
-        version = max(0, epoch - lag)
+        version = max(0, epoch - lag) if lag else learner.version
         if lag:
             older = {v: w for v, w in older.items() if v >= version}
             older[learner.version] = flat_lora_state(comps.unet)
+        if version != learner.version:
             load_flat_lora(comps.unet, older[version])
         parts = []
         for bi in range(cfg.sample.batches_per_epoch):
             plan = plan_for(cfg, prompt_list, epoch, bi)
-            parts.append(sample_plan(comps, plan, settings, version if lag else learner.version, learner.negative_embeds))
-        if lag:
+            parts.append(sample_plan(comps, plan, settings, version, learner.negative_embeds))
+        if version != learner.version:
             load_flat_lora(comps.unet, older[learner.version])  # back to the policy the learner trains
         t_sample = time.time() - t0
         sampled = TrajectoryBatch.cat(parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from diffrlhf.actors.ray_errors import error_text, ray_restarts
+from diffrlhf.actors.ray_errors import error_text, gcs_field, ray_restarts
 
 
 def check_restarts(named_actors: list[tuple[str, object]], seen: dict[str, int], max_restarts: int) -> int:
@@ -37,12 +37,7 @@ def keeps_workers(cfg, workers: list) -> bool:
 
 def ray_state(actor) -> str | None:
     """The actor's state in Ray's GCS (ALIVE, RESTARTING, DEAD, ...); None where it cannot be read."""
-    try:
-        from ray._private.state import actors
-
-        return actors(actor._actor_id.hex())["State"]
-    except Exception:
-        return None
+    return gcs_field(actor, "State")
 
 
 def stop_core_roles(core: list, samplers: list, queued: list) -> None:
