@@ -30,18 +30,19 @@ torch.set_num_threads(2)
 
 # The modules made of whole Ray runs take most of the suite's time. With -n 2 they go, as one unit
 # of work, to one worker in turn, first; the other worker runs every other module, then the last Ray
-# module (RAY_RUN_LAST, its own unit, at the end of the queue), so neither worker waits idle long.
-# Measured on a quiet 2-core machine: 261, 274 and 304 s so; 293-309 s with every Ray module in the one
-# unit (the other worker idle for its last ~115 s); 325 s with job submit and the reaper first on the
-# other worker (two Ray start-ups at once only wait on each other).
-RAY_RUN_LAST = "test_system_failures.py"
-RAY_RUNS = ("test_system.py", "test_multinode.py", "test_job_submit.py", "test_reaper.py")
+# modules (RAY_RUN_LAST, each its own unit, at the end of the queue, to whichever worker is free), so
+# neither worker waits idle long. Measured on a quiet 2-core machine: 256 s so; 261, 274 and 304 s
+# with only the system-failures module last; 293-309 s with every Ray module in the one unit (the
+# other worker idle for its last ~115 s); 325 s with job submit and the reaper first on the other
+# worker (two Ray start-ups at once only wait on each other).
+RAY_RUN_LAST = ("test_system_failures.py", "test_reaper.py")
+RAY_RUNS = ("test_system.py", "test_multinode.py", "test_job_submit.py")
 
 
 def queue_place(item) -> int:
-    """0: the Ray-run unit; 1: every other module; 2: RAY_RUN_LAST."""
+    """0: the Ray-run unit; 1: every other module; then RAY_RUN_LAST in its order."""
     name = item.path.name
-    return 0 if name in RAY_RUNS else 2 if name == RAY_RUN_LAST else 1
+    return 0 if name in RAY_RUNS else 2 + RAY_RUN_LAST.index(name) if name in RAY_RUN_LAST else 1
 
 
 def pytest_collection_modifyitems(config, items):
