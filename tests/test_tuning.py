@@ -2,6 +2,7 @@
 the selection rule, and the status count."""
 import json
 
+import numpy as np
 import pytest
 
 from research.bench import tuning
@@ -158,3 +159,22 @@ def test_a_tuning_run_goes_on_with_the_extensions_the_grids_it_completes_queue(t
     capped = tuning.main(["run", "--stage", "tune", "--reward", "jpeg_compressibility", "--variant", "hardmine", "--jobs", "1",
                           "--max-runs", "4", "--out", str(tmp_path)])
     assert len(capped) == 4  # --max-runs bounds the whole call
+
+
+def test_the_tuning_picture_places_each_settings_gain_at_its_lr_and_clip(tmp_path):
+    """The picture's matrix: rows the learning rates, columns the clip ranges (grid and extension,
+    ascending), each setting's mean gain in its own cell, NaN where no run is done."""
+    def row(lr, clip, g, seeds=3):
+        s = {"train.clip_range": clip, "train.lr": lr}
+        return {"setting": s, "tag": tuning.setting_tag(s), "gain_mean": g, "seeds": seeds}
+
+    cell = {"rows": [row(0.01, 0.003, 0.5), row(0.003, 0.03, 0.25), row(0.001, 0.003, None, seeds=0)]}
+    lrs, clips, gains = tuning.gain_grid(cell)
+    assert lrs == [0.001, 0.003, 0.01] and clips == [0.003, 0.03]
+    assert gains[2, 0] == 0.5 and gains[1, 1] == 0.25 and np.isnan(gains[0, 0]) and np.isnan(gains[0, 1])
+
+    jobs = tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"])
+    for j in jobs[:5]:
+        _fake_run(tuning.job_path(tmp_path, j), j["seed"], [0.0, 1.0], 1.0)
+    tuning.main(["report", "--out", str(tmp_path)])
+    assert (tmp_path / "tuning_grid.png").stat().st_size > 10_000

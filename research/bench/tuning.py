@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from research.bench.common import RESULTS_DIR, log, write_json
+from research.bench.common import RESULTS_DIR, log, pyplot, write_json
 
 # The plan. Rewards, variants, the grid and the seeds are fixed here before the runs; the
 # confirmatory seeds are used by nothing else.
@@ -293,6 +293,59 @@ def table_markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def gain_grid(cell: dict) -> tuple[list[float], list[float], np.ndarray]:
+    """One cell's settings as a matrix: the learning rates (rows) and clip ranges (columns) its grid
+    and extension cover, ascending; each setting's mean gain where it has a run, NaN elsewhere."""
+    lrs = sorted({r["setting"]["train.lr"] for r in cell["rows"]})
+    clips = sorted({r["setting"]["train.clip_range"] for r in cell["rows"]})
+    gains = np.full((len(lrs), len(clips)), np.nan)
+    for r in cell["rows"]:
+        if r["seeds"]:
+            gains[lrs.index(r["setting"]["train.lr"]), clips.index(r["setting"]["train.clip_range"])] = r["gain_mean"]
+    return lrs, clips, gains
+
+
+def tuning_picture(table: dict, path: Path) -> None:
+    """The tuning table as heat maps: one panel per reward (row) and variant (column), lr x clip, the
+    mean gain written in each cell (seeds done in brackets when not all), the chosen setting boxed in
+    black (the grid's best in grey while its extension runs). One colour scale per reward: gains on two
+    rewards are in different units."""
+    plt = pyplot()
+    rewards, variants = PLAN["rewards"], list(PLAN["variants"])
+    fig, axs = plt.subplots(len(rewards), len(variants), figsize=(3.3 * len(variants) + 1, 4.0 * len(rewards) + 0.6), squeeze=False,
+                            layout="constrained")
+    n_seeds = len(PLAN["tuning_seeds"])
+    for i, reward in enumerate(rewards):
+        cells = [table[f"{reward} / {v}"] for v in variants]
+        values = np.concatenate([gain_grid(c)[2].ravel() for c in cells])
+        lo, hi = (np.nanmin(values), np.nanmax(values)) if np.isfinite(values).any() else (0.0, 1.0)
+        for ax, variant, cell in zip(axs[i], variants, cells):
+            lrs, clips, gains = gain_grid(cell)
+            image = ax.imshow(np.ma.masked_invalid(gains), cmap="viridis", vmin=lo, vmax=hi, origin="lower")
+            seeds = {(r["setting"]["train.lr"], r["setting"]["train.clip_range"]): r["seeds"] for r in cell["rows"]}
+            for (a, lr), (b, clip) in itertools.product(enumerate(lrs), enumerate(clips)):
+                if np.isfinite(gains[a, b]):
+                    n = seeds[(lr, clip)]
+                    ax.text(b, a, f"{gains[a, b]:+.3f}" + ("" if n == n_seeds else f"\n({n})"), ha="center", va="center", fontsize=7,
+                            color="white" if gains[a, b] < (lo + hi) / 2 else "black")
+            for tag, colour in ((cell["chosen"], "black"), (None if cell["chosen"] else cell["grid_best"], "grey")):
+                r = next((r for r in cell["rows"] if r["tag"] == tag), None)
+                if r is not None:
+                    a, b = lrs.index(r["setting"]["train.lr"]), clips.index(r["setting"]["train.clip_range"])
+                    ax.add_patch(plt.Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, edgecolor=colour, linewidth=2.5))
+            ax.set_xticks(range(len(clips)), [f"{c:g}" for c in clips], fontsize=7)
+            ax.set_yticks(range(len(lrs)), [f"{v:g}" for v in lrs], fontsize=7)
+            ax.set_xlabel("train.clip_range", fontsize=8)
+            if ax is axs[i][0]:
+                ax.set_ylabel("train.lr", fontsize=8)
+            ax.set_title(f"{reward}\n{variant}" + ("" if cell["complete"] else " (in progress)"), fontsize=8)
+        fig.colorbar(image, ax=list(axs[i]), shrink=0.8, label="mean training gain")
+    fig.suptitle("Tuning: mean training gain over the tuning seeds (blank: no run yet; boxed: chosen, grey: grid best)", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plan_markdown() -> str:
     p = PLAN
     lines = [f"Plan digest `{plan_digest()}` (`python -m research.bench.tuning plan`).", "",
@@ -350,6 +403,7 @@ def main(argv=None):
     (out / "tuning_table.md").parent.mkdir(parents=True, exist_ok=True)
     (out / "tuning_table.md").write_text(md + "\n")
     write_json(out / "tuning_table.json", {"plan_digest": plan_digest(), "table": table})
+    tuning_picture(table, out / "tuning_grid.png")
     print(md)
     return table
 
