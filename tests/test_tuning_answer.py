@@ -67,7 +67,8 @@ def test_the_answer_table_from_run_files_names_the_cells_still_waiting(tmp_path)
     for j in confirm:
         curve = np.zeros(30) if j["reward"].endswith("_shuffled") else step_curves(steps[j["variant"]], seeds=1)[0] + 0.01 * j["seed"]
         _run(tuning.job_path(tmp_path, j), j["seed"], curve, {"ddpo": 0.1, "ddim_std": 0.3}[j["variant"]])
-    res = ta.answer(tmp_path, resamples=100)
+    curves = {}
+    res = ta.answer(tmp_path, resamples=100, curves=curves)
     (c,) = res["comparisons"]
     assert (c["reward"], c["variant"], c["seeds"]) == (reward, "ddim_std", tuning.PLAN["confirm_seeds"])
     assert c["primary"]["ratio"] == pytest.approx(2.0)
@@ -76,3 +77,16 @@ def test_the_answer_table_from_run_files_names_the_cells_still_waiting(tmp_path)
     assert f"{reward} / latent_sq" in res["waiting"] and "tinyworld_alignment / ddpo" in res["waiting"]
     md = ta.markdown(res)
     assert "| jpeg_compressibility | ddim_std | 704 / 352 | 2.00 [2.00, 2.00] |" in md and "Waiting for" in md
+    # the picture's data: both cells' net curves, per reward
+    assert set(curves) == {reward} and set(curves[reward]) == {"ddpo", "ddim_std"}
+    queries, net = curves[reward]["ddim_std"]
+    assert list(queries[:2]) == [32, 64] and net.shape == (len(tuning.PLAN["confirm_seeds"]), 30)
+    ta.main(["--out", str(tmp_path), "--resamples", "50"])
+    assert (tmp_path / "answer_curves.png").stat().st_size > 10_000
+
+
+def test_the_pictures_curve_is_the_seed_mean_less_epoch_0_with_its_standard_error():
+    net = np.array([[1.0, 2.0, 4.0], [3.0, 3.0, 7.0]])  # less epoch 0: [0, 1, 3] and [0, 0, 4]
+    mean, se = ta.mean_net_curve(net)
+    np.testing.assert_allclose(mean, [0.0, 0.5, 3.5])
+    np.testing.assert_allclose(se, [0.0, 0.5, 0.5])  # s.d. (ddof 1) / sqrt(2): |a - b| / 2

@@ -18,7 +18,7 @@ same setting): the net curve of each seed, reward - (control - control's epoch 0
 - Test: the paired t-test of the AUC difference, two-sided; Holm across the comparisons present
   (6 when complete) at family-wise 0.05.
 A cell whose confirmatory runs are not all there is listed as waiting, and no comparison uses it.
-Writes <out>/answer.md and <out>/answer.json.
+Writes <out>/answer.md, <out>/answer.json and <out>/answer_curves.png (the net curves per reward).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from research.bench import tuning
-from research.bench.common import RESULTS_DIR, paired_test, write_report
+from research.bench.common import RESULTS_DIR, paired_test, pyplot, write_report
 from research.bench.study import SMOOTH_WINDOW, smooth
 
 ALPHA = 0.05
@@ -104,10 +104,21 @@ def cell_runs(out: Path, reward: str, variant: str) -> tuple[list[dict], list[di
     return real, control
 
 
-def answer(out: Path, resamples: int = 10_000) -> dict:
+def mean_net_curve(net: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The seed-mean net curve less its epoch 0 (what the primary measure reads, before smoothing) and
+    its standard error over the seeds at each epoch."""
+    rows = net - net[:, :1]
+    se = rows.std(axis=0, ddof=1) / np.sqrt(len(rows)) if len(rows) > 1 else np.zeros(rows.shape[1])
+    return rows.mean(axis=0), se
+
+
+def answer(out: Path, resamples: int = 10_000, curves: dict | None = None) -> dict:
+    """The plan's comparisons; `curves`, when given, gets {reward: {variant: (queries, net)}} of every
+    complete cell (for the picture)."""
     from research.bench.drift import net_curves
 
     comparisons, waiting = [], []
+    curves = {} if curves is None else curves
     for reward in tuning.PLAN["rewards"]:
         base = cell_runs(out, reward, "ddpo")
         if base is None:
@@ -123,6 +134,7 @@ def answer(out: Path, resamples: int = 10_000) -> dict:
             n = min(b_net.shape[1], v_net.shape[1])
             b_net, v_net = b_net[:, :n], v_net[:, :n]
             queries = np.array([rec["reward_queries"] for rec in b_runs[0]["records"][:n]])
+            curves.setdefault(reward, {"ddpo": (queries, b_net)})[variant] = (queries, v_net)
             heldout = [(v.get("eval") or {}).get("reward_mean", np.nan) - (b.get("eval") or {}).get("reward_mean", np.nan)
                        for b, v in zip(b_runs, v_runs)]
             comparisons.append({
@@ -158,12 +170,40 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def answer_picture(res: dict, curves: dict, path: Path) -> None:
+    """Per reward: each method's seed-mean net curve (less its epoch 0) against reward queries, with a
+    ±1 s.e. band over the confirm seeds, and the primary measure's target (half of tuned DDPO's mean net
+    gain) dashed."""
+    plt = pyplot()
+    rewards = list(curves)
+    fig, axs = plt.subplots(1, max(1, len(rewards)), figsize=(6.5 * max(1, len(rewards)), 4.3), squeeze=False)
+    for ax, reward in zip(axs[0], rewards):
+        for variant, (queries, net) in curves[reward].items():
+            mean, se = mean_net_curve(net)
+            (line,) = ax.plot(queries, mean, label=variant, linewidth=2.2 if variant == "ddpo" else 1.4)
+            ax.fill_between(queries, mean - se, mean + se, color=line.get_color(), alpha=0.15)
+        target = next(c["primary"]["target"] for c in res["comparisons"] if c["reward"] == reward)
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target: half of tuned DDPO's net gain")
+        ax.set_xlabel("reward queries")
+        ax.set_ylabel("net reward - epoch 0 (seed mean ± s.e.)")
+        ax.set_title(f"{reward}: each method at its tuned setting, confirm seeds", fontsize=9)
+        ax.legend(fontsize=7)
+    if not rewards:
+        axs[0][0].text(0.5, 0.5, "no complete comparison yet", ha="center", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m research.bench.tuning_answer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS_DIR / "tuning"))
     ap.add_argument("--resamples", type=int, default=10_000)
     a = ap.parse_args(argv)
-    res = answer(Path(a.out), a.resamples)
+    curves: dict = {}
+    res = answer(Path(a.out), a.resamples, curves)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    answer_picture(res, curves, Path(a.out) / "answer_curves.png")
     return write_report(Path(a.out), "answer", res, markdown(res))
 
 
