@@ -31,7 +31,7 @@ torch.set_num_threads(2)
 # The modules made of whole Ray runs take most of the suite's time. With -n 2 they go, as one unit
 # of work, to one worker in turn, first; the other worker runs every other module, then the last Ray
 # modules (RAY_RUN_LAST, each its own unit, at the end of the queue, to whichever worker is free), so
-# neither worker waits idle long. Measured on a quiet 2-core machine: 256 s so; 261, 274 and 304 s
+# neither worker waits idle long. Measured on a quiet 2-core machine: 256, 284, 308 s so; 261, 274, 304 s
 # with only the system-failures module last; 293-309 s with every Ray module in the one unit (the
 # other worker idle for its last ~115 s); 325 s with job submit and the reaper first on the other
 # worker (two Ray start-ups at once only wait on each other).
