@@ -317,10 +317,10 @@ def tuning_picture(table: dict, path: Path) -> None:
     n_seeds = len(PLAN["tuning_seeds"])
     for i, reward in enumerate(rewards):
         cells = [table[f"{reward} / {v}"] for v in variants]
-        values = np.concatenate([gain_grid(c)[2].ravel() for c in cells])
+        grids = [gain_grid(c) for c in cells]
+        values = np.concatenate([g[2].ravel() for g in grids])
         lo, hi = (np.nanmin(values), np.nanmax(values)) if np.isfinite(values).any() else (0.0, 1.0)
-        for ax, variant, cell in zip(axs[i], variants, cells):
-            lrs, clips, gains = gain_grid(cell)
+        for ax, variant, cell, (lrs, clips, gains) in zip(axs[i], variants, cells, grids):
             image = ax.imshow(np.ma.masked_invalid(gains), cmap="viridis", vmin=lo, vmax=hi, origin="lower")
             seeds = {(r["setting"]["train.lr"], r["setting"]["train.clip_range"]): r["seeds"] for r in cell["rows"]}
             for (a, lr), (b, clip) in itertools.product(enumerate(lrs), enumerate(clips)):

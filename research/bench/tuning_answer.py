@@ -62,7 +62,8 @@ def net_gains(net: np.ndarray) -> np.ndarray:
 
 
 def queries_to_target(net: np.ndarray, queries: np.ndarray, target: float) -> int | None:
-    curve = smooth(net.mean(axis=0) - net.mean(axis=0)[0], SMOOTH_WINDOW)
+    """The queries at which the smoothed seed-mean net curve reaches `target` and stays; None if never."""
+    curve = smooth(mean_net_curve(net)[0], SMOOTH_WINDOW)
     i = held_from(curve, target)
     return None if i is None else int(queries[i])
 
