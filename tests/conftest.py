@@ -88,6 +88,15 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture()
+def keep_torch_threads():
+    """For a test whose command sets the process-wide thread count (study --threads): later tests
+    expect conftest's."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_folder():
     from diffrlhf.tinyworld.architecture import ensure_tiny_random

@@ -74,16 +74,6 @@ def test_sd15_lora_shapes_match_sd15_rank4_adapter():
 # ----------------------------------------------------------------------------- the commands at tiny size
 
 
-@pytest.fixture()
-def keep_torch_threads():
-    """study --threads sets the process-wide thread count; later tests expect conftest's."""
-    import torch
-
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_study_tiny_runs_resumes_and_refuses_other_configs(tmp_path, keep_torch_threads, capsys):
     from research.bench import study

@@ -10,15 +10,6 @@ import pytest
 from research.bench import study
 
 
-@pytest.fixture()
-def keep_torch_threads():
-    import torch
-
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.integration  # a whole benchmark or command run: the default tier, not -m quick
 def test_compute_suite_counts_passes_and_reaches_on_every_axis(tmp_path, keep_torch_threads):
     args = ["--size", "tiny", "--out", str(tmp_path), "--threads", "1", "--suite", "compute", "--only", "ddpo", "method weighted 0.25"]
