@@ -92,3 +92,6 @@ def test_a_cell_with_a_missing_run_waits_and_no_comparison_uses_it(study):
     md = ra.markdown(res)
     assert "Waiting (runs missing): recast_loss / lambda 0.25." in md and md.count("| recast_pre |") == 6 + 3
     assert np.isfinite([c["p_holm"] for c in res["comparisons"]]).all()
+    # Holm still counts the plan's 12: the two waiting comparisons as p = 1, so the three equal smallest stay x 12
+    pre = [c for c in res["comparisons"] if c["mode"] == "recast_pre" and c["reward"] == rs.PLAN["rewards"][0]]
+    assert [c["p_holm"] for c in pre] == pytest.approx([12 * c["net_gain"]["p"] for c in pre])

@@ -12,6 +12,11 @@ def test_holm_adjusts_by_rank_and_keeps_the_order_monotone():
     # by hand: sorted 0.005 x4 = 0.02, 0.01 x3 = 0.03, 0.03 x2 = 0.06, 0.04 x1 = 0.04 -> 0.06 (monotone)
     assert ta.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert ta.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    # a partial table of the plan's 6: the missing 4 count as p = 1, so 0.005 x6, 0.01 x5
+    assert ta.family_size() == 6
+    assert ta.holm([0.01, 0.005], family=6) == pytest.approx([0.05, 0.03])
+    with pytest.raises(ValueError, match="family of 1"):
+        ta.holm([0.01, 0.02], family=1)
 
 
 def test_the_target_must_be_held_to_the_end():
@@ -73,7 +78,8 @@ def test_the_answer_table_from_run_files_names_the_cells_still_waiting(tmp_path)
     assert (c["reward"], c["variant"], c["seeds"]) == (reward, "ddim_std", tuning.PLAN["confirm_seeds"])
     assert c["primary"]["ratio"] == pytest.approx(2.0)
     assert c["auc"]["mean"] == pytest.approx(11 / 30) and c["heldout"]["mean"] == pytest.approx(0.2)
-    assert c["holm_p"] == c["auc"]["p"] and c["survives"] == (c["auc"]["p"] < 0.05)
+    # one comparison of the plan's 6: Holm multiplies its p by 6 (the five waiting count as p = 1)
+    assert c["holm_p"] == pytest.approx(min(1.0, 6 * c["auc"]["p"])) and c["survives"] == (6 * c["auc"]["p"] < 0.05)
     assert f"{reward} / latent_sq" in res["waiting"] and "tinyworld_alignment / ddpo" in res["waiting"]
     md = ta.markdown(res)
     assert "| jpeg_compressibility | ddim_std | 704 / 352 | 2.00 [2.00, 2.00] |" in md and "Waiting for" in md

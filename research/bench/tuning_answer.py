@@ -15,8 +15,8 @@ same setting): the net curve of each seed, reward - (control - control's epoch 0
   stays above the target, has no ratio and is counted.
 - Secondary: area under the net curve (mean net reward over the epochs) and the final net gain, each
   a paired difference against DDPO with its 95% t interval; the raw held-out reward, paired.
-- Test: the paired t-test of the AUC difference, two-sided; Holm across the comparisons present
-  (6 when complete) at family-wise 0.05.
+- Test: the paired t-test of the AUC difference, two-sided; Holm across the plan's 6 comparisons at
+  family-wise 0.05 (while some wait for their runs, each counts as p = 1: never less correction).
 A cell whose confirmatory runs are not all there is listed as waiting, and no comparison uses it.
 Writes <out>/answer.md, <out>/answer.json and <out>/answer_curves.png (the net curves per reward).
 """
@@ -35,16 +35,24 @@ from research.bench.study import SMOOTH_WINDOW, smooth
 ALPHA = 0.05
 
 
-def holm(pvalues: list[float]) -> list[float]:
+def holm(pvalues: list[float], family: int | None = None) -> list[float]:
     """Holm's step-down adjusted p-values, in the input's order: the i-th smallest p times (m - i),
-    made monotone and capped at 1."""
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * m, 0.0
+    made monotone and capped at 1. m = family (the planned comparisons) when some are not there yet:
+    a missing one counts as p = 1, so a partial table is never corrected less than the whole."""
+    m = len(pvalues) if family is None else family
+    if m < len(pvalues):
+        raise ValueError(f"holm: {len(pvalues)} p-values for a family of {m}")
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
     for rank, i in enumerate(order):
         running = max(running, min(1.0, (m - rank) * pvalues[i]))
         adjusted[i] = running
     return adjusted
+
+
+def family_size() -> int:
+    """The plan's comparisons: every variant but DDPO, on every reward (6)."""
+    return len(tuning.PLAN["rewards"]) * (len(tuning.PLAN["variants"]) - 1)
 
 
 def held_from(curve: np.ndarray, target: float) -> int | None:
@@ -145,7 +153,7 @@ def answer(out: Path, resamples: int = 10_000, curves: dict | None = None) -> di
                 "net_gain": paired_test(net_gains(v_net) - net_gains(b_net)),
                 "heldout": paired_test([h for h in heldout if np.isfinite(h)]),
             })
-    for c, p in zip(comparisons, holm([c["auc"]["p"] for c in comparisons])):
+    for c, p in zip(comparisons, holm([c["auc"]["p"] for c in comparisons], family_size())):
         c["holm_p"] = p
         c["survives"] = bool(p < ALPHA and c["auc"]["mean"] > 0)
     return {"plan_digest": tuning.plan_digest(), "comparisons": comparisons, "waiting": waiting, "alpha": ALPHA}
