@@ -70,6 +70,8 @@ def test_the_table_chooses_only_when_every_setting_has_every_tuning_seed(tmp_pat
     table = tuning.tuning_table(tmp_path)["jpeg_compressibility / ddpo"]
     assert table["complete"] and table["chosen"] == tuning.setting_tag(best)
     assert "**+1.000" in tuning.table_markdown({"jpeg_compressibility / ddpo": table})
+    (c,) = tuning.choices({"jpeg_compressibility / ddpo": table})  # the grid's middle: at no edge
+    assert (c["settings_tried"], c["in_extension"], c["edges"]) == (9, False, [])
 
 
 def test_the_plan_digest_changes_with_the_plan(monkeypatch):
@@ -139,6 +141,12 @@ def test_a_cell_whose_grid_best_is_at_an_edge_is_chosen_only_after_its_extension
     assert len(tuning.tuning_jobs(["jpeg_compressibility"], ["ddpo"], tmp_path)) == len(jobs)  # once: no second extension
     md = tuning.table_markdown({"jpeg_compressibility / ddpo": cell})
     assert "The edge rule's extensions" in md and "| jpeg_compressibility / ddpo | clip_range0.01_lr0.001 | **+2.000" in md
+    # the choice lies at the lowest lr tried (the extension's edge: the rule does not extend again); clip 0.01 is inside
+    (c,) = tuning.choices({"jpeg_compressibility / ddpo": cell})
+    assert (c["chosen"], c["settings_tried"], c["in_extension"], c["edges"]) == (tuning.setting_tag(beyond), 12, True, ["lr smallest tried"])
+    assert "| jpeg_compressibility / ddpo | clip_range0.01_lr0.001 | +2.000 ± 0.000 | 12 | extension | lr smallest tried |" in md
+    interior = tuning.tuning_table(tmp_path)  # the other cells are not complete: no choice listed for them
+    assert [c["cell"] for c in tuning.choices(interior)] == ["jpeg_compressibility / ddpo"]
 
 
 def test_a_tuning_run_goes_on_with_the_extensions_the_grids_it_completes_queue(tmp_path, monkeypatch):

@@ -269,9 +269,39 @@ def choose(rows: list[dict]) -> str:
     return best["tag"]
 
 
+def choices(table: dict) -> list[dict]:
+    """Per complete cell: the chosen setting, its gain, how many settings were tried, and which keys it
+    sits at the edge of what was tried (a better setting may lie beyond: the edge rule applies once)."""
+    out = []
+    for key, t in table.items():
+        if not t["complete"]:
+            continue
+        row = next(r for r in t["rows"] if r["tag"] == t["chosen"])
+        edges = []
+        for k, name in (("train.lr", "lr"), ("train.clip_range", "clip")):
+            tried = sorted({r["setting"][k] for r in t["rows"]})
+            v = row["setting"][k]
+            edges += [f"{name} smallest tried"] if v == tried[0] else [f"{name} largest tried"] if v == tried[-1] else []
+        out.append({"cell": key, "chosen": t["chosen"], "gain_mean": row["gain_mean"], "gain_se": row["gain_se"],
+                    "settings_tried": len(t["rows"]), "in_extension": row["setting"] not in settings(), "edges": edges})
+    return out
+
+
+def choices_markdown(rows: list[dict]) -> str:
+    lines = ["The choices (cells whose tuning is complete):", "",
+             "| reward / variant | chosen | mean gain ± s.e. | settings tried | from | at the edge of what was tried |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for c in rows:
+        lines.append(f"| {c['cell']} | {c['chosen']} | {c['gain_mean']:+.3f} ± {c['gain_se']:.3f} | {c['settings_tried']} | "
+                     f"{'extension' if c['in_extension'] else 'grid'} | {', '.join(c['edges']) or 'no'} |")
+    return "\n".join(lines)
+
+
 def table_markdown(table: dict) -> str:
     tags = [setting_tag(s) for s in settings()]
-    lines = ["mean training gain over the tuning seeds (± s.e.; seeds done); **bold**: the chosen setting", "",
+    picked = choices(table)
+    lines = ([choices_markdown(picked), ""] if picked else []) + [
+        "mean training gain over the tuning seeds (± s.e.; seeds done); **bold**: the chosen setting", "",
              "| reward / variant | " + " | ".join(tags) + " |", "| --- |" + " --- |" * len(tags)]
     for key, t in table.items():
         cells = []
