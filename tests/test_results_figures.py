@@ -127,3 +127,24 @@ def test_the_memory_per_role_figures_are_the_role_memory_file():
     single = [json.loads(x) for x in (STUDY / "sd15_size" / "stage_run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["learners"] for r in records] == [2, 2, 2] and records[-1]["reward_queries_total"] == 12
     assert f"epoch 2's reward {records[2]['reward_mean']:.4f} against the single learner's {single[2]['reward_mean']:.4f}" in section
+
+
+def test_the_tuning_choices_are_the_run_files():
+    """Section "Against a tuned DDPO?": each cell's chosen setting, gain, settings tried and edge,
+    recomputed from the tuning run files; and DDPO's clipped fractions at its JPEG choice."""
+    from research.bench import tuning
+
+    table = tuning.tuning_table(STUDY / "tuning")
+    rows = tuning.choices(table)
+    assert len(rows) == len(tuning.PLAN["rewards"]) * len(tuning.PLAN["variants"])  # the tuning is complete
+    for line in tuning.choices_markdown(rows).splitlines()[4:]:
+        assert line in RESULTS, line
+    ddpo = next(r for r in rows if r["cell"] == "jpeg_compressibility / ddpo")
+    fractions = []
+    for seed in tuning.PLAN["tuning_seeds"]:
+        job = {"stage": "tune", "reward": "jpeg_compressibility", "variant": "ddpo", "seed": seed,
+               "setting": next(r["setting"] for r in table[ddpo["cell"]]["rows"] if r["tag"] == ddpo["chosen"])}
+        records = json.loads(tuning.job_path(STUDY / "tuning", job).read_text())["records"]
+        fractions.append(f"{100 * np.mean([r['clipfrac'] for r in records]):.1f}%")
+    text = " ".join(RESULTS.split())
+    assert f"DDPO clipped {fractions[0]}, {fractions[1]} and {fractions[2]} of its per-step ratios" in text, fractions
