@@ -148,3 +148,14 @@ def test_the_tuning_choices_are_the_run_files():
         fractions.append(f"{100 * np.mean([r['clipfrac'] for r in records]):.1f}%")
     text = " ".join(RESULTS.split())
     assert f"DDPO clipped {fractions[0]}, {fractions[1]} and {fractions[2]} of its per-step ratios" in text, fractions
+
+
+def test_the_tuned_comparison_table_is_the_confirm_files():
+    """Section "Against a tuned DDPO?": every comparison row of the answer, recomputed from the
+    confirmatory run files (the bootstrap is seeded)."""
+    from research.bench import tuning_answer as ta
+
+    rows = [ln for ln in ta.markdown(ta.answer(STUDY / "tuning")).splitlines() if ln.startswith("| ") and not ln.startswith("| reward")]
+    assert rows
+    for line in rows:
+        assert line in RESULTS, line
