@@ -282,7 +282,7 @@ def choices(table: dict) -> list[dict]:
             tried = sorted({r["setting"][k] for r in t["rows"]})
             v = row["setting"][k]
             edges += [f"{name} smallest tried"] if v == tried[0] else [f"{name} largest tried"] if v == tried[-1] else []
-        out.append({"cell": key, "chosen": t["chosen"], "gain_mean": row["gain_mean"], "gain_se": row["gain_se"],
+        out.append({"cell": key, "chosen": t["chosen"], "setting": row["setting"], "gain_mean": row["gain_mean"], "gain_se": row["gain_se"],
                     "settings_tried": len(t["rows"]), "in_extension": row["setting"] not in settings(), "edges": edges})
     return out
 
