@@ -23,6 +23,19 @@ def test_seeds_are_fresh_and_every_run_has_its_own_file_and_a_valid_config(tmp_p
     assert (st["done"], st["left"]) == (0, len(jobs))
 
 
+def test_a_weight_chunk_runs_exactly_that_lambdas_missing_runs(tmp_path, monkeypatch):
+    done = {"method": "weighted_sum", "weight": 0.5, "seed": 300, "control": False}
+    rs.run_path(tmp_path, done).parent.mkdir(parents=True)
+    rs.run_path(tmp_path, done).write_text("{}")
+    ran = []
+    monkeypatch.setattr(rs, "run_jobs", lambda out, todo, n_jobs, size: ran.extend(todo) or [])
+    rs.main(["run", "--out", str(tmp_path), "--weight", "0.5"])
+    assert {j["weight"] for j in ran} == {0.5} and done not in ran
+    assert len(ran) == 3 * 5 * 2 - 1 and ran == [j for j in rs.jobs() if j["weight"] == 0.5 and j != done]
+    with pytest.raises(SystemExit):  # a lambda outside the plan is refused by the command line
+        rs.main(["run", "--out", str(tmp_path), "--weight", "0.4"])
+
+
 def test_results_quotes_the_plan_it_was_committed_with():
     results = (Path(__file__).resolve().parents[1] / "RESULTS.md").read_text()
     assert f"Plan digest `{rs.plan_digest()}`" in results
