@@ -158,3 +158,15 @@ def test_the_tuned_comparison_table_is_the_confirm_files():
     assert rows
     for line in rows:
         assert line in RESULTS, line
+
+
+def test_the_recast_answer_table_is_the_study_files():
+    """Section "Several rewards: does ReCAST move the front?": every comparison and front row the
+    committed run files give (the cells whose runs are all there) is in RESULTS, as the answer writes it."""
+    from research.bench import recast_answer as ra
+
+    res = ra.answer(STUDY / "recast_study")
+    rows = [ln for ln in ra.markdown(res).splitlines() if ln.startswith("| ") and not ln.startswith(("| mode", "|---"))]
+    assert len(rows) == len(res["comparisons"]) + len(res["fronts"])
+    for line in rows:
+        assert line in RESULTS, line
