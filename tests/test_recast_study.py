@@ -23,7 +23,7 @@ def test_seeds_are_fresh_and_every_run_has_its_own_file_and_a_valid_config(tmp_p
     assert (st["done"], st["left"]) == (0, len(jobs))
 
 
-def test_a_weight_chunk_runs_exactly_that_lambdas_missing_runs(tmp_path, monkeypatch):
+def test_a_chunk_runs_exactly_the_missing_runs_of_its_lambdas_and_methods(tmp_path, monkeypatch):
     done = {"method": "weighted_sum", "weight": 0.5, "seed": 300, "control": False}
     rs.run_path(tmp_path, done).parent.mkdir(parents=True)
     rs.run_path(tmp_path, done).write_text("{}")
@@ -32,8 +32,13 @@ def test_a_weight_chunk_runs_exactly_that_lambdas_missing_runs(tmp_path, monkeyp
     rs.main(["run", "--out", str(tmp_path), "--weight", "0.5"])
     assert {j["weight"] for j in ran} == {0.5} and done not in ran
     assert len(ran) == 3 * 5 * 2 - 1 and ran == [j for j in rs.jobs() if j["weight"] == 0.5 and j != done]
-    with pytest.raises(SystemExit):  # a lambda outside the plan is refused by the command line
+    ran.clear()
+    rs.main(["run", "--out", str(tmp_path), "--weight", "0.5", "--method", "weighted_sum", "recast_pre"])
+    assert len(ran) == 2 * 5 * 2 - 1 and {j["method"] for j in ran} == {"weighted_sum", "recast_pre"} and done not in ran
+    with pytest.raises(SystemExit):  # a lambda or method outside the plan is refused by the command line
         rs.main(["run", "--out", str(tmp_path), "--weight", "0.4"])
+    with pytest.raises(SystemExit):
+        rs.main(["run", "--out", str(tmp_path), "--method", "recast"])
 
 
 def test_results_quotes_the_plan_it_was_committed_with():

@@ -4,6 +4,7 @@
     python -m research.bench.recast_study status    # done / left per method and weight, CPU hours left
     nohup python -m research.bench.recast_study run --jobs 2 --max-runs 12 > recast.log 2>&1 &   # a chunk
     nohup python -m research.bench.recast_study run --weight 0.5 > recast.log 2>&1 &   # one lambda's 30 runs: its 4 comparisons complete first
+    nohup python -m research.bench.recast_study run --weight 0.5 --method weighted_sum recast_pre > recast.log 2>&1 &   # 20 runs: 2 comparisons
 
 PLAN is fixed before any of its runs and quoted in RESULTS by digest (tests/test_recast_study.py).
 Each run is the single-process reference loop on the embedded default with a weighted_sum of the
@@ -61,12 +62,12 @@ def spec(weight: float, control: bool = False) -> dict:
     return {"name": "weighted_sum", "terms": [{"name": names[0], "weight": weight}, {"name": names[1], "weight": round(1 - weight, 10)}]}
 
 
-def jobs(weights: list[float] | None = None) -> list[dict]:
-    """Every run (or those of the given lambdas), seed-major (all methods and weights of a seed, each
-    beside its control, before the next seed)."""
+def jobs(weights: list[float] | None = None, methods: list[str] | None = None) -> list[dict]:
+    """Every run (or those of the given lambdas and methods), seed-major (all methods and weights of a
+    seed, each beside its control, before the next seed)."""
     return [{"method": m, "weight": w, "seed": s, "control": c}
             for s in PLAN["seeds"] for m in PLAN["methods"] for w in PLAN["weights_on_first"] for c in (False, True)
-            if weights is None or w in weights]
+            if (weights is None or w in weights) and (methods is None or m in methods)]
 
 
 def run_path(out: Path, job: dict) -> Path:
@@ -213,12 +214,14 @@ def main(argv=None):
     ap.add_argument("--max-runs", type=int, help="stop after this many runs (a chunk)")
     ap.add_argument("--weight", type=float, nargs="+", choices=PLAN["weights_on_first"],
                     help="only these lambdas' runs: a chunk whose comparisons complete within it (the default order completes none before its last seed)")
+    ap.add_argument("--method", nargs="+", choices=list(PLAN["methods"]),
+                    help="only these methods' runs (with --weight: the weighted sum and one mode complete that mode's comparisons)")
     args = ap.parse_args(argv)
     if args.command == "plan":
         print(plan_markdown())
         return PLAN
     if args.command == "run":
-        todo = [j for j in jobs(args.weight) if not run_path(Path(args.out), j).exists()][:args.max_runs]
+        todo = [j for j in jobs(args.weight, args.method) if not run_path(Path(args.out), j).exists()][:args.max_runs]
         return run_jobs(Path(args.out), todo, args.jobs, args.size)
     st = status(Path(args.out))
     for k, c in st["cells"].items():
